@@ -1,0 +1,25 @@
+"""bcp: fast, parallelism-agnostic checkpoints for PyTorch training.
+
+    import bcp_core as bcp
+    handle = bcp.save(path, state)            # collective; async_save=True for background writes
+    handle.wait()
+    bcp.load(path, state)                     # in place, at any world size / sharding
+    bcp.inspect(path)                         # metadata only
+"""
+
+from .api import LoadResult, SaveHandle, inspect, load, resolve, save
+from .errors import (BCPError, ChecksumError, FormatVersionError, IncompleteCheckpointError,
+                     KeyMismatchError, MetadataError, NotACheckpointError, PickleNotAllowedError, PlanError,
+                     SaveError, ShapeMismatchError, StorageError, UnsafePathError, UnsupportedValueError)
+from .metadata import FORMAT_VERSION, CheckpointMetadata, Piece, TensorMeta
+from .storage import LocalStorage, Storage, register_storage, storage_for
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "save", "load", "inspect", "resolve", "SaveHandle", "LoadResult", "CheckpointMetadata", "TensorMeta",
+    "Piece", "FORMAT_VERSION", "Storage", "LocalStorage", "register_storage", "storage_for",
+    "BCPError", "ChecksumError", "FormatVersionError", "IncompleteCheckpointError", "KeyMismatchError",
+    "MetadataError", "NotACheckpointError", "PickleNotAllowedError", "PlanError", "SaveError",
+    "ShapeMismatchError", "StorageError", "UnsafePathError", "UnsupportedValueError",
+]

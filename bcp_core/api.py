@@ -1,0 +1,354 @@
+"""Public entry points: save, load, inspect."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from . import codec
+from .comm import DEFAULT_TIMEOUT, Comm
+from .engine import WriteItem, read_all, stage, write_items
+from .errors import (BCPError, IncompleteCheckpointError, KeyMismatchError, NotACheckpointError,
+                     SaveError, ShapeMismatchError)
+from .metadata import (CHECKSUM_BLOCK_BYTES, METADATA_FILE, TRACKER_FILE, CheckpointMetadata,
+                       ObjectValue, PerRankMeta, Piece, TensorMeta, dtype_from_name)
+from .planner import ReadItem, box_read_items, global_save_plan, local_save_plan, read_items
+from .shards import Box
+from .state import LoadTarget, load_targets, resolve_framework, save_leaves
+from .storage import Storage, storage_for
+
+log = logging.getLogger("bcp")
+
+STEP_DIR = "step_{:08d}"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+# ----------------------------------------------------------------------------- handles
+
+class SaveHandle:
+    """Result of `save`. `wait()` returns once the checkpoint is durable and committed."""
+
+    def __init__(self, path: str, future: Future):
+        self.path = path
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until committed; re-raise the save's error if it failed. Returns the checkpoint path."""
+        self._future.result(timeout)
+        return self.path
+
+
+def _finished(path: str, exc: BaseException | None = None) -> SaveHandle:
+    f: Future = Future()
+    if exc is None:
+        f.set_result(path)
+    else:
+        f.set_exception(exc)
+    return SaveHandle(path, f)
+
+
+# ----------------------------------------------------------------------------- save
+
+def save(path: str | os.PathLike, state: dict, framework: str = "auto", async_save: bool = False, *,
+         step: int | None = None, process_group=None, allow_pickle: bool = False, fsync: bool = True,
+         num_threads: int = 4, user_metadata: dict | None = None,
+         timeout: timedelta = DEFAULT_TIMEOUT) -> SaveHandle:
+    """Save `state` from every rank into the checkpoint at `path`. Collective: call on all ranks.
+
+    With `step`, `path` is a root: the checkpoint goes to `path/step_<step>` and the root's `latest`
+    tracker points at it once committed. Without, `path` is the checkpoint directory itself.
+    With `async_save=True` the call returns once the state is copied aside; writing and committing
+    continue in the background and `handle.wait()` blocks until durable.
+    """
+    root = storage_for(path, fsync=fsync)
+    name = STEP_DIR.format(step) if step is not None else ""
+    ckpt = root.child(name) if name else root
+    framework = resolve_framework(state, framework)
+    comm = Comm(process_group, timeout)
+
+    # 1. Plan. Local errors travel in the plan so that every rank raises instead of hanging.
+    try:
+        local = local_save_plan(save_leaves(state), comm.rank, allow_pickle)
+        message: dict = local.message
+    except Exception as e:  # noqa: BLE001 - reported on every rank below
+        local, message = None, {"error": f"rank {comm.rank}: {type(e).__name__}: {e}"}
+    plans = comm.gather(message)
+    reply: dict = {}
+    gplan = None
+    if comm.is_coordinator:
+        errors = [p["error"] for p in plans if "error" in p]
+        try:
+            if errors:
+                raise SaveError("; ".join(errors))
+            gplan = global_save_plan(plans)
+            _prepare_directory(ckpt)
+            reply = {"assignments": gplan.assignments}
+        except Exception as e:  # noqa: BLE001
+            reply = {"error": f"{type(e).__name__}: {e}" if not isinstance(e, BCPError) else str(e)}
+    reply = comm.broadcast(reply)
+    if "error" in reply:
+        raise SaveError(f"save to {ckpt.root} planned nothing: {reply['error']}")
+
+    # 2. Stage what this rank writes (the only part an async save blocks on).
+    mine = reply["assignments"][comm.rank]
+    items = []
+    for ti, bi in mine["write"]:
+        fqn, lt = local.tensors[ti]
+        box = lt.boxes[bi]
+        items.append(WriteItem(f"{fqn}@{','.join(map(str, box.offsets))}", stage(box.view, async_save),
+                               ["t", fqn, list(box.offsets), list(box.lengths)]))
+    for fqn, vid in mine["variants"]:
+        items.append(WriteItem(f"{fqn}#{vid}", stage(local.per_rank_tensors[fqn], async_save), ["v", fqn, vid]))
+
+    def finish() -> str:
+        # 3. Write, then 4. commit on the coordinator once every rank reports success.
+        try:
+            written = write_items(ckpt, comm.rank, items, num_threads, CHECKSUM_BLOCK_BYTES)
+            report: dict = {"pieces": [[w.key, w.file, w.byte_offset, w.nbytes, w.crc32] for w in written]}
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            report = {"error": f"rank {comm.rank}: {type(e).__name__}: {e}"}
+        reports = comm.gather(report)
+        status: dict = {}
+        if comm.is_coordinator:
+            try:
+                errors = [r["error"] for r in reports if "error" in r]
+                if errors:
+                    raise SaveError("; ".join(errors))
+                md = _build_metadata(gplan, reports, comm.world_size, framework, user_metadata or {})
+                ckpt.write_atomic(METADATA_FILE, md.dumps())
+                if name:
+                    root.write_atomic(TRACKER_FILE, name.encode())
+                status = {"ok": True}
+            except Exception as e:  # noqa: BLE001
+                status = {"error": f"{type(e).__name__}: {e}"}
+        status = comm.broadcast(status)
+        if "error" in status:
+            raise SaveError(f"save to {ckpt.root} failed and was not committed: {status['error']}")
+        return ckpt.root
+
+    if not async_save:
+        return _finished(finish())
+    future: Future = Future()
+
+    def run():
+        try:
+            future.set_result(finish())
+        except BaseException as e:  # surfaced by wait()
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="bcp-async-save", daemon=False).start()
+    return SaveHandle(ckpt.root, future)
+
+
+def _prepare_directory(ckpt: Storage) -> None:
+    """Make the directory and make sure an older checkpoint there can never pass as this one."""
+    ckpt.makedirs()
+    if ckpt.exists(METADATA_FILE):
+        ckpt.remove(METADATA_FILE)
+    ckpt.remove("data")
+
+
+def _build_metadata(gplan, reports, world_size, framework, user) -> CheckpointMetadata:
+    files: list[str] = []
+    file_index: dict[str, int] = {}
+    pieces: dict[str, list[Piece]] = {fqn: [] for fqn in gplan.tensor_info}
+    variant_tensors: dict[tuple[str, int], Piece] = {}
+    for rank, rep in enumerate(reports):
+        for key, file, byte_offset, nbytes, crc in rep["pieces"]:
+            fi = file_index.setdefault(file, len(file_index))
+            if fi == len(files):
+                files.append(file)
+            if key[0] == "t":
+                _, fqn, offs, lens = key
+                pieces[fqn].append(Piece(tuple(offs), tuple(lens), fi, byte_offset, nbytes, tuple(crc), rank))
+            else:
+                _, fqn, vid = key
+                shape = gplan.per_rank[fqn]["variants"][vid]["tensor"][1]
+                variant_tensors[(fqn, vid)] = Piece((0,) * len(shape), tuple(shape), fi, byte_offset, nbytes,
+                                                    tuple(crc), rank)
+    tensors = {fqn: TensorMeta(dtype_from_name(dt), tuple(shape), tuple(sorted(pieces[fqn], key=lambda p: p.offsets)))
+               for fqn, (dt, shape) in sorted(gplan.tensor_info.items())}
+    per_rank = {}
+    for fqn, pr in sorted(gplan.per_rank.items()):
+        variants = []
+        for vid, v in enumerate(pr["variants"]):
+            if "tensor" in v:
+                dt, shape = v["tensor"]
+                variants.append(TensorMeta(dtype_from_name(dt), tuple(shape), (variant_tensors[(fqn, vid)],)))
+            else:
+                variants.append(ObjectValue(v["object"]))
+        per_rank[fqn] = PerRankMeta(tuple(pr["ranks"]), tuple(variants))
+    return CheckpointMetadata(world_size=world_size, framework=framework, files=tuple(files), tensors=tensors,
+                              objects={k: ObjectValue(v) for k, v in sorted(gplan.objects.items())},
+                              per_rank=per_rank, user=user)
+
+
+# ----------------------------------------------------------------------------- resolve / inspect
+
+def resolve(path: str | os.PathLike) -> Storage:
+    """The storage of the checkpoint at `path`: the directory itself or, for a root, its latest complete one."""
+    st = storage_for(path)
+    if st.exists(METADATA_FILE):
+        return st
+    if st.exists(TRACKER_FILE):
+        name = st.read_bytes(TRACKER_FILE).decode(errors="replace").strip()
+        if _STEP_RE.match(name) and st.exists(f"{name}/{METADATA_FILE}"):
+            return st.child(name)
+        log.warning("bcp: tracker %s/%s names %r, which is not a complete checkpoint; scanning",
+                    st.root, TRACKER_FILE, name)
+    steps = sorted(((int(m.group(1)), n) for n in st.listdir() if (m := _STEP_RE.match(n))), reverse=True)
+    incomplete = []
+    for _, n in steps:
+        if st.exists(f"{n}/{METADATA_FILE}"):
+            if incomplete:
+                log.warning("bcp: skipping incomplete checkpoints %s under %s", incomplete, st.root)
+            return st.child(n)
+        incomplete.append(n)
+    if incomplete:
+        raise IncompleteCheckpointError(f"{st.root}: no complete checkpoint; incomplete (never committed): "
+                                        f"{', '.join(incomplete)}")
+    if st.exists("data"):
+        raise IncompleteCheckpointError(f"{st.root} holds data files but no {METADATA_FILE}: the save that "
+                                        "wrote it never committed")
+    raise NotACheckpointError(f"{st.root} is not a bcp checkpoint (no {METADATA_FILE}, no {TRACKER_FILE})")
+
+
+def read_metadata(st: Storage) -> CheckpointMetadata:
+    return CheckpointMetadata.loads(st.read_bytes(METADATA_FILE), source=st.join(METADATA_FILE))
+
+
+def inspect(path: str | os.PathLike) -> CheckpointMetadata:
+    """The checkpoint's metadata; no tensor bytes are read."""
+    return read_metadata(resolve(path))
+
+
+# ----------------------------------------------------------------------------- load
+
+@dataclass
+class LoadResult:
+    path: str
+    missing: list[str] = field(default_factory=list)     # requested but not in the checkpoint
+    unexpected: list[str] = field(default_factory=list)  # in the checkpoint under a requested module/optimizer
+
+
+def load(path: str | os.PathLike, state: dict, framework: str = "auto", strict: bool = True, *,
+         process_group=None, allow_pickle: bool = False, verify_checksums: bool = True,
+         num_threads: int = 4) -> LoadResult:
+    """Load the checkpoint at `path` (or the latest under a root) into `state`, in place.
+
+    Works at any world size and sharding: each rank reads the parts of the saved pieces that
+    overlap what it holds. Does not need a process group.
+    """
+    st = resolve(path)
+    md = read_metadata(st)
+    resolve_framework(state, framework)
+    rank = _rank(process_group)
+    lt = load_targets(state, md)
+    result = LoadResult(st.root)
+
+    # Keys the checkpoint has below a plain dict but the dict lacks are added to it.
+    saved = md.keys()
+    extra = _fill_containers(lt, saved)
+    for t in extra:
+        lt.targets[t.fqn] = t
+    result.missing = sorted(k for k, t in lt.targets.items() if k not in saved and not t.optional)
+    covered = tuple(f"{p}." for p in lt.structured)
+    result.unexpected = sorted(k for k in saved if k.startswith(covered) and k not in lt.targets)
+    if strict and (result.missing or result.unexpected):
+        raise KeyMismatchError(_key_report(st.root, result))
+
+    items: list[ReadItem] = []
+    late: list[tuple[LoadTarget, torch.Tensor]] = []  # new tensors handed over after reading
+    for fqn, target in lt.targets.items():
+        if fqn not in saved:
+            continue
+        if fqn in md.objects:
+            _set(target, codec.decode(md.objects[fqn].encoded, fqn, allow_pickle))
+        elif fqn in md.per_rank:
+            v = md.per_rank[fqn].variant_for(rank)
+            if isinstance(v, ObjectValue):
+                _set(target, codec.decode(v.encoded, fqn, allow_pickle))
+            else:
+                t = target.tensor
+                if t is None or tuple(t.shape) != v.shape or t.dtype != v.dtype:
+                    t = torch.empty(v.shape, dtype=v.dtype)
+                    late.append((target, t))
+                items.extend(box_read_items(fqn, v, Box((0,) * len(v.shape), v.shape, t)))
+        else:
+            tm = md.tensors[fqn]
+            if target.tensor is None:
+                if target.set_value is None:
+                    raise ShapeMismatchError(f"{fqn!r} is a tensor in the checkpoint but not in the target")
+                t = torch.empty(tm.shape, dtype=tm.dtype)
+                late.append((target, t))
+                items.extend(box_read_items(fqn, tm, Box((0,) * len(tm.shape), tm.shape, t)))
+            else:
+                items.extend(read_items(fqn, tm, target.tensor))
+    read_all(st, md.files, md.checksum_block_bytes, items, verify_checksums, num_threads)
+    for target, t in late:
+        _set(target, t)
+    for finish in lt.finishers:
+        finish()
+    if result.missing or result.unexpected:
+        log.warning("bcp: %s", _key_report(st.root, result))
+    return result
+
+
+def _set(target: LoadTarget, value: Any) -> None:
+    if target.set_value is None:
+        raise BCPError(f"cannot set {target.fqn!r}")
+    target.set_value(value)
+
+
+def _fill_containers(lt, saved: set[str]) -> list[LoadTarget]:
+    """Targets for saved keys below plain dicts of the state that the dicts do not have yet."""
+    out = []
+    containers = sorted(lt.containers, key=lambda c: -len(c[0]))
+    for k in sorted(saved - set(lt.targets)):
+        for prefix, d in containers:
+            if k.startswith(prefix + "."):
+                parts = k[len(prefix) + 1:].split(".")
+                node = d
+                for p in parts[:-1]:
+                    nxt = node.get(p)
+                    if not isinstance(nxt, dict):
+                        nxt = node[p] = {}
+                    node = nxt
+
+                def setter(v, node=node, key=parts[-1]):
+                    node[key] = v
+                out.append(LoadTarget(k, False, set_value=setter))
+                break
+    return out
+
+
+def _key_report(root: str, r: LoadResult) -> str:
+    parts = [f"load from {root}:"]
+    if r.missing:
+        parts.append(f"{len(r.missing)} requested keys missing from the checkpoint: {_few(r.missing)}")
+    if r.unexpected:
+        parts.append(f"{len(r.unexpected)} checkpoint keys have no place in the target: {_few(r.unexpected)}")
+    parts.append("(pass strict=False to load the rest)")
+    return " ".join(parts)
+
+
+def _few(keys: list[str], n: int = 8) -> str:
+    return ", ".join(keys[:n]) + (f", ... (+{len(keys) - n})" if len(keys) > n else "")
+
+
+def _rank(process_group) -> int:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(process_group)
+    return 0

@@ -1,0 +1,208 @@
+"""Executes plans against a Storage: writes data files, reads byte ranges back.
+
+Data files use safetensors framing (docs/format.md). Writes and reads run in a
+thread pool; file I/O, CRC-32 and tensor copies release the GIL.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ChecksumError, StorageError
+from .metadata import num_blocks
+from .planner import ReadItem
+from .storage import Storage
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+for _name, _code in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
+                     ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
+    if hasattr(torch, _name):
+        _SAFETENSORS_DTYPES[getattr(torch, _name)] = _code
+
+
+@dataclass
+class WriteItem:
+    """One piece to write: its header name, its bytes' tensor (CPU, contiguous) and a key for the report."""
+
+    name: str
+    tensor: torch.Tensor
+    key: list
+
+
+@dataclass
+class WrittenPiece:
+    key: list
+    file: str
+    byte_offset: int
+    nbytes: int
+    crc32: list[int]
+
+
+def stage(t: torch.Tensor, copy: bool) -> torch.Tensor:
+    """A CPU contiguous tensor with the bytes of `t`; a private copy when `copy` (async saves)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        return t.to("cpu").contiguous()
+    if copy:
+        return t.clone(memory_format=torch.contiguous_format)
+    return t.contiguous()
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def _crc_blocks(data: memoryview, block: int) -> list[int]:
+    return [zlib.crc32(data[i:i + block]) for i in range(0, len(data), block)] or [0]
+
+
+def _header(items: list[WriteItem]) -> bytes:
+    header: dict = {"__metadata__": {"format": "bcp"}}
+    pos = 0
+    for it in items:
+        n = it.tensor.numel() * it.tensor.element_size()
+        code = _SAFETENSORS_DTYPES.get(it.tensor.dtype)
+        shape = list(it.tensor.shape) if code else [n]
+        header[it.name] = {"dtype": code or "U8", "shape": shape, "data_offsets": [pos, pos + n]}
+        pos += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+# A file per writer thread only pays off for large ranks; small saves stay in one file.
+MIN_BYTES_PER_FILE = 64 << 20
+
+
+def _split_files(items: list[WriteItem], num_files: int) -> list[list[WriteItem]]:
+    total = sum(it.tensor.numel() * it.tensor.element_size() for it in items)
+    n = max(1, min(num_files, len(items), -(-total // MIN_BYTES_PER_FILE)))
+    bins: list[list[WriteItem]] = [[] for _ in range(n)]
+    sizes = [0] * len(bins)
+    for it in sorted(items, key=lambda it: -it.tensor.numel() * it.tensor.element_size()):
+        i = sizes.index(min(sizes))
+        bins[i].append(it)
+        sizes[i] += it.tensor.numel() * it.tensor.element_size()
+    return bins
+
+
+def write_items(storage: Storage, rank: int, items: list[WriteItem], num_files: int,
+                block: int) -> list[WrittenPiece]:
+    """Write this rank's pieces into up to `num_files` files in parallel; report where each landed."""
+    if not items:
+        return []
+    bins = _split_files(items, num_files)
+    storage.makedirs("data")
+
+    def write_file(k: int) -> list[WrittenPiece]:
+        rel = f"data/r{rank}_{k}.safetensors"
+        header = _header(bins[k])
+        writer = storage.open_writer(rel)
+        out = []
+        try:
+            writer.write(memoryview(header))
+            pos = len(header)
+            for it in bins[k]:
+                data = tensor_bytes(it.tensor)
+                writer.write(data)
+                out.append(WrittenPiece(it.key, rel, pos, len(data), _crc_blocks(data, block)))
+                pos += len(data)
+            writer.close()
+        except BaseException as e:
+            writer.abort()
+            raise StorageError(f"rank {rank}: writing {storage.join(rel)} failed: {e}") from e
+        return out
+
+    with ThreadPoolExecutor(len(bins), thread_name_prefix="bcp-write") as pool:
+        return [p for ps in pool.map(write_file, range(len(bins))) for p in ps]
+
+
+# ----------------------------------------------------------------------------- reading
+
+def _contiguous_strides(lengths: tuple[int, ...]) -> list[int]:
+    strides, acc = [], 1
+    for n in reversed(lengths):
+        strides.append(acc)
+        acc *= n
+    return strides[::-1]
+
+
+def _verify(data: memoryview, start: int, item: ReadItem, file: str, block: int) -> None:
+    """Check the CRC of each whole block of the piece contained in data (which begins at piece byte `start`)."""
+    p = item.piece
+    first = start // block
+    for b in range(first, num_blocks(p.nbytes, block)):
+        lo, hi = b * block - start, min((b + 1) * block, p.nbytes) - start
+        if hi > len(data):
+            break
+        if zlib.crc32(data[lo:hi]) != p.crc32[b]:
+            raise ChecksumError(
+                f"checksum mismatch in {file} bytes [{p.byte_offset + b * block}, "
+                f"{p.byte_offset + b * block + hi - lo}) of tensor {item.fqn!r} (piece offsets "
+                f"{list(p.offsets)} lengths {list(p.lengths)}): the data file is corrupted")
+
+
+def read_item(storage: Storage, files: tuple[str, ...], block: int, item: ReadItem, verify: bool) -> None:
+    p = item.piece
+    numel = math.prod(item.lengths)
+    if numel == 0:
+        return
+    file = files[p.file]
+    esize = item.dest.element_size()
+    strides = _contiguous_strides(p.lengths)
+    rel = [o - po for o, po in zip(item.offsets, p.offsets)]
+    first = sum(r * s for r, s in zip(rel, strides))
+    last = sum((r + n - 1) * s for r, n, s in zip(rel, item.lengths, strides))
+    lo, hi = first * esize, (last + 1) * esize
+    if verify:
+        lo_r, hi_r = lo // block * block, min(-(-hi // block) * block, p.nbytes)
+    else:
+        lo_r, hi_r = lo, hi
+    dest = item.dest.detach()
+    whole = tuple(item.lengths) == tuple(p.lengths)
+    try:
+        if whole and dest.is_contiguous() and dest.device.type == "cpu" and (lo_r, hi_r) == (0, p.nbytes):
+            out = tensor_bytes(dest)  # zero-copy: read straight into the destination
+            storage.read_into(file, p.byte_offset, out)
+            if verify:
+                _verify(out, 0, item, file, block)
+            return
+        buf = torch.empty(hi_r - lo_r, dtype=torch.uint8)
+        view = tensor_bytes(buf)
+        storage.read_into(file, p.byte_offset + lo_r, view)
+    except (OSError, StorageError) as e:
+        raise StorageError(f"reading {file} bytes [{p.byte_offset + lo_r}, {p.byte_offset + hi_r}) for "
+                           f"tensor {item.fqn!r} failed: {e}") from e
+    if verify:
+        _verify(view, lo_r, item, file, block)
+    flat = buf[lo - lo_r: hi - lo_r].view(dest.dtype)
+    src = torch.as_strided(flat, item.lengths, strides, flat.storage_offset())
+    with torch.no_grad():
+        dest.copy_(src)
+
+
+def read_all(storage: Storage, files: tuple[str, ...], block: int, items: Iterable[ReadItem],
+             verify: bool, num_threads: int) -> None:
+    items = list(items)
+    if not items:
+        return
+    if num_threads <= 1 or len(items) == 1:
+        for it in items:
+            read_item(storage, files, block, it, verify)
+        return
+    with ThreadPoolExecutor(num_threads, thread_name_prefix="bcp-read") as pool:
+        for f in [pool.submit(read_item, storage, files, block, it, verify) for it in items]:
+            f.result()

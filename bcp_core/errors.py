@@ -1,0 +1,57 @@
+"""Exceptions raised by bcp. Each names what is wrong: the key, shape, file or rank."""
+
+
+class BCPError(Exception):
+    """Base class of every error bcp raises on purpose."""
+
+
+class NotACheckpointError(BCPError):
+    """The path holds no bcp checkpoint (complete or partial)."""
+
+
+class IncompleteCheckpointError(BCPError):
+    """The path is a checkpoint whose save never committed."""
+
+
+class FormatVersionError(BCPError):
+    """The checkpoint was written by a newer bcp format version."""
+
+
+class MetadataError(BCPError):
+    """The metadata file is malformed, inconsistent or unsafe."""
+
+
+class UnsafePathError(MetadataError):
+    """A path in the metadata escapes the checkpoint directory."""
+
+
+class ChecksumError(BCPError):
+    """Bytes read from storage do not match the recorded checksum."""
+
+
+class KeyMismatchError(BCPError):
+    """Requested keys missing from the checkpoint, or unexpected ones (strict load)."""
+
+
+class ShapeMismatchError(BCPError):
+    """A tensor's global shape or dtype differs between checkpoint and target."""
+
+
+class UnsupportedValueError(BCPError):
+    """A value in the state cannot be saved with the safe codec."""
+
+
+class PickleNotAllowedError(BCPError):
+    """The checkpoint holds pickled data and the caller did not opt in."""
+
+
+class PlanError(BCPError):
+    """The ranks' local plans are inconsistent (shapes, dtypes, coverage)."""
+
+
+class SaveError(BCPError):
+    """A save failed on one or more ranks; nothing was committed."""
+
+
+class StorageError(BCPError):
+    """A storage operation failed permanently."""

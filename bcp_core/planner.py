@@ -1,0 +1,217 @@
+"""Save and load planning.
+
+Save: every rank describes what it holds (`local_save_plan`); the coordinator
+checks the descriptions agree, writes each distinct box once, giving
+replicated boxes to the least-loaded holder (worst-fit on bytes, paper §4.1),
+and dedups per-rank values (`global_save_plan`). Plans are plain JSON so they
+travel over `Comm`.
+
+Load: each rank intersects the boxes it needs with the saved pieces
+(`read_items`) and reads only the overlapping bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import codec
+from .errors import PlanError, ShapeMismatchError
+from .metadata import Piece, TensorMeta, dtype_from_name, dtype_name, element_size
+from .shards import Box, LocalTensor, intersect, local_tensor
+from .state import SaveLeaf
+
+
+# ----------------------------------------------------------------------------- save
+
+@dataclass
+class LocalSavePlan:
+    """This rank's side of a save: the message for the coordinator and the data behind it."""
+
+    message: dict
+    tensors: list[tuple[str, LocalTensor]]      # index matches message["tensors"]
+    per_rank_tensors: dict[str, torch.Tensor]
+
+
+def _digest(t: torch.Tensor) -> str:
+    t = t.detach().cpu().contiguous()
+    h = hashlib.blake2b(t.reshape(-1).view(torch.uint8).numpy().tobytes(), digest_size=16)
+    return h.hexdigest()
+
+
+def local_save_plan(leaves: list[SaveLeaf], rank: int, allow_pickle: bool) -> LocalSavePlan:
+    tensors: list[tuple[str, LocalTensor]] = []
+    msg_tensors, objects, per_rank = [], {}, {}
+    per_rank_tensors = {}
+    for leaf in leaves:
+        v = leaf.value
+        if leaf.per_rank:
+            if isinstance(v, torch.Tensor):
+                if v.__class__ is not torch.Tensor and not isinstance(v, torch.nn.Parameter):
+                    raise PlanError(f"{leaf.fqn}: per-rank (extra_state) tensors must be plain tensors, "
+                                    f"got {type(v).__name__}")
+                per_rank[leaf.fqn] = {"tensor": [dtype_name(v.dtype), list(v.shape), _digest(v)]}
+                per_rank_tensors[leaf.fqn] = v.detach()
+            else:
+                per_rank[leaf.fqn] = {"object": codec.encode(v, leaf.fqn, allow_pickle)}
+        elif isinstance(v, torch.Tensor):
+            lt = local_tensor(v)
+            tensors.append((leaf.fqn, lt))
+            msg_tensors.append([leaf.fqn, dtype_name(lt.dtype), list(lt.global_shape),
+                                [[list(b.offsets), list(b.lengths)] for b in lt.boxes]])
+        else:
+            # replicated values: the coordinator's copy is saved; others only prove they have the key
+            objects[leaf.fqn] = codec.encode(v, leaf.fqn, allow_pickle) if rank == 0 else None
+    message = {"tensors": msg_tensors, "objects": objects, "per_rank": per_rank}
+    return LocalSavePlan(message, tensors, per_rank_tensors)
+
+
+@dataclass
+class GlobalSavePlan:
+    """The coordinator's view: what each rank writes, and what the metadata will hold."""
+
+    assignments: list[dict]                      # per rank: {"write": [[ti, bi]...], "variants": [[fqn, vid]...]}
+    tensor_info: dict[str, tuple[str, list[int]]]  # fqn -> (dtype name, global shape)
+    objects: dict[str, Any]
+    per_rank: dict[str, dict]                    # fqn -> {"ranks": [...], "variants": [{"object"}|{"tensor": [dt, shape]}]}
+    bytes_per_rank: list[int]
+
+
+def global_save_plan(plans: list[dict]) -> GlobalSavePlan:
+    world = len(plans)
+    tensor_info: dict[str, tuple[str, list[int], int]] = {}   # fqn -> dtype, shape, first rank
+    holders: dict[tuple, list[tuple[int, int, int]]] = {}   # (fqn, offs, lens) -> [(rank, ti, bi)]
+    for r, plan in enumerate(plans):
+        for ti, (fqn, dt, shape, boxes) in enumerate(plan["tensors"]):
+            seen = tensor_info.setdefault(fqn, (dt, shape, r))
+            if (seen[0], seen[1]) != (dt, shape):
+                raise PlanError(f"tensor {fqn!r}: rank {seen[2]} has dtype {seen[0]} shape {tuple(seen[1])} "
+                                f"but rank {r} has dtype {dt} shape {tuple(shape)}")
+            for bi, (offs, lens) in enumerate(boxes):
+                holders.setdefault((fqn, tuple(offs), tuple(lens)), []).append((r, ti, bi))
+    _check_coverage(tensor_info, holders)
+
+    # Worst-fit: boxes held by one rank are fixed; replicated boxes go, largest first, to the
+    # holder with the fewest bytes so far (ties: lowest rank).
+    load = [0] * world
+    assignments: list[dict] = [{"write": [], "variants": []} for _ in range(world)]
+    replicated = []
+    for key, hs in holders.items():
+        nbytes = math.prod(key[2]) * element_size(dtype_from_name(tensor_info[key[0]][0]))
+        if len(hs) == 1:
+            r, ti, bi = hs[0]
+            load[r] += nbytes
+            assignments[r]["write"].append([ti, bi])
+        else:
+            replicated.append((nbytes, key, hs))
+    replicated.sort(key=lambda x: (-x[0], x[1]))
+    for nbytes, _, hs in replicated:
+        r, ti, bi = min(hs, key=lambda h: (load[h[0]], h[0]))
+        load[r] += nbytes
+        assignments[r]["write"].append([ti, bi])
+
+    objects = dict(plans[0]["objects"])
+    for r, plan in enumerate(plans[1:], start=1):
+        extra = set(plan["objects"]) - set(objects)
+        if extra:
+            raise PlanError(f"non-tensor value {sorted(extra)[0]!r} exists on rank {r} but not on rank 0; "
+                            "values that differ per rank belong under 'extra_state'")
+
+    per_rank: dict[str, dict] = {}
+    for r, plan in enumerate(plans):
+        for fqn, entry in plan["per_rank"].items():
+            pr = per_rank.setdefault(fqn, {"ranks": [None] * world, "variants": [], "_ids": {}})
+            ident = repr(entry)
+            vid = pr["_ids"].get(ident)
+            if vid is None:
+                vid = pr["_ids"][ident] = len(pr["variants"])
+                if "tensor" in entry:
+                    dt, shape, _ = entry["tensor"]
+                    pr["variants"].append({"tensor": [dt, shape]})
+                    assignments[r]["variants"].append([fqn, vid])
+                    load[r] += math.prod(shape) * element_size(dtype_from_name(dt))
+                else:
+                    pr["variants"].append(entry)
+            pr["ranks"][r] = vid
+    for fqn, pr in per_rank.items():
+        del pr["_ids"]
+        missing = [r for r, v in enumerate(pr["ranks"]) if v is None]
+        if missing:
+            # A rank without the value gets rank 0's on load; record it explicitly.
+            first = next(v for v in pr["ranks"] if v is not None)
+            for r in missing:
+                pr["ranks"][r] = first
+    info = {k: (v[0], v[1]) for k, v in tensor_info.items()}
+    return GlobalSavePlan(assignments, info, objects, per_rank, load)
+
+
+def _check_coverage(tensor_info, holders) -> None:
+    boxes_of: dict[str, list[tuple[tuple, tuple]]] = {}
+    for fqn, offs, lens in holders:
+        boxes_of.setdefault(fqn, []).append((offs, lens))
+    for fqn, (_, shape, _) in tensor_info.items():
+        boxes = boxes_of.get(fqn, [])
+        total = math.prod(shape)
+        covered = sum(math.prod(lens) for _, lens in boxes)
+        if total == 0:
+            continue
+        # Overlap check: sweep along dim 0 (boxes of one tensor rarely share many dim-0 ranges).
+        ordered = sorted(boxes, key=lambda b: b[0])
+        active: list[tuple[tuple, tuple]] = []
+        for off, ln in ordered:
+            if len(shape):
+                active = [a for a in active if a[0][0] + a[1][0] > off[0]]
+            for a in active:
+                if intersect(a[0], a[1], off, ln) is not None:
+                    raise PlanError(f"tensor {fqn!r}: saved boxes overlap without being identical: "
+                                    f"offsets {a[0]} lengths {a[1]} and offsets {off} lengths {ln}; "
+                                    "ranks disagree about the sharding")
+            active.append((off, ln))
+        if covered != total:
+            raise PlanError(f"tensor {fqn!r} of shape {tuple(shape)}: the ranks' shards cover {covered} of "
+                            f"{total} elements; some part of the tensor is held by no rank")
+
+
+# ----------------------------------------------------------------------------- load
+
+@dataclass(frozen=True)
+class ReadItem:
+    """Copy the part `offsets/lengths` (global coordinates) of `piece` into `dest`."""
+
+    fqn: str
+    piece: Piece
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    dest: torch.Tensor
+
+
+def read_items(fqn: str, tm: TensorMeta, target: torch.Tensor) -> list[ReadItem]:
+    """What to read from the saved `tm` to fill the local part of `target`."""
+    if tuple(target.shape) != tuple(tm.shape):
+        raise ShapeMismatchError(f"tensor {fqn!r}: checkpoint has global shape {tuple(tm.shape)}, "
+                                 f"target has {tuple(target.shape)}")
+    if target.dtype != tm.dtype:
+        raise ShapeMismatchError(f"tensor {fqn!r}: checkpoint has dtype {tm.dtype}, target has "
+                                 f"{target.dtype}; cast the target or the checkpoint")
+    items: list[ReadItem] = []
+    for box in local_tensor(target).boxes:
+        items.extend(box_read_items(fqn, tm, box))
+    return items
+
+
+def box_read_items(fqn: str, tm: TensorMeta, box: Box) -> list[ReadItem]:
+    items = []
+    for piece in tm.pieces:
+        inter = intersect(box.offsets, box.lengths, piece.offsets, piece.lengths)
+        if inter is None:
+            continue
+        off, ln = inter
+        dest = box.view
+        for d, (o, n) in enumerate(zip(off, ln)):
+            dest = dest.narrow(d, o - box.offsets[d], n)
+        items.append(ReadItem(fqn, piece, off, ln, dest))
+    return items

@@ -1,0 +1,137 @@
+"""What one rank holds of a global tensor, as n-D boxes (the paper's ShardMeta).
+
+A local tensor maps to one or more boxes of the global tensor; each box has a
+view into the local data. Plain tensors are one box covering the whole tensor;
+a DTensor yields the boxes its placements give this rank (several for strided
+sharding, none for an empty uneven shard). Adapters for flat layouts (FSDP1,
+Megatron's distributed optimizer) produce several boxes per shard.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import BCPError
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # pragma: no cover - torch without distributed
+    DTensor = Replicate = Shard = None
+
+
+@dataclass(frozen=True)
+class Box:
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    view: torch.Tensor  # the local data of this box, shape == lengths
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.lengths)
+
+
+@dataclass(frozen=True)
+class LocalTensor:
+    """The boxes of global tensor `fqn` that this rank holds."""
+
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    boxes: tuple[Box, ...]
+
+
+def is_dtensor(t) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def global_shape_of(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)  # DTensor.shape is already the global shape
+
+
+def local_tensor(t: torch.Tensor) -> LocalTensor:
+    """Boxes of a plain tensor or DTensor."""
+    if hasattr(t, "__bcp_local_tensor__"):  # adapters may attach their own decomposition
+        return t.__bcp_local_tensor__()
+    if is_dtensor(t):
+        return _dtensor_boxes(t)
+    t = t.detach()
+    return LocalTensor(tuple(t.shape), t.dtype, (Box((0,) * t.dim(), tuple(t.shape), t),))
+
+
+def _dim_runs(indices: list[int]) -> list[tuple[int, int, int]]:
+    """Split a dim's global indices (in local order) into runs (local_start, global_start, length)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, g in enumerate(indices):
+        if runs and runs[-1][1] + runs[-1][2] == g and runs[-1][0] + runs[-1][2] == i:
+            ls, gs, n = runs[-1]
+            runs[-1] = (ls, gs, n + 1)
+        else:
+            runs.append((i, g, 1))
+    return runs
+
+
+def _dtensor_boxes(dt) -> LocalTensor:
+    from torch.distributed.tensor.placement_types import Partial
+
+    shape = tuple(dt.shape)
+    local = dt.to_local().detach()
+    mesh, placements = dt.device_mesh, dt.placements
+    coord = mesh.get_coordinate()
+    if coord is None:  # this rank is not in the mesh
+        return LocalTensor(shape, dt.dtype, ())
+    # Follow DTensor's left-to-right sharding: per tensor dim, the global index of each local row.
+    indices: dict[int, list[int]] = {}
+    sizes = list(shape)
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Replicate):
+            continue
+        if isinstance(p, Partial):
+            raise BCPError(f"DTensor with Partial placement {p} cannot be checkpointed; reduce it first")
+        strided = type(p).__name__ == "_StridedShard"
+        if not (isinstance(p, Shard) or strided):
+            raise BCPError(f"unsupported DTensor placement {p!r}")
+        d = p.dim
+        prev = indices.get(d, list(range(shape[d])))
+        n, c = mesh.size(mesh_dim), coord[mesh_dim]
+        if not strided:
+            size, off = Shard.local_shard_size_and_offset(sizes[d], n, c)
+            pos = list(range(off, off + size))
+        else:  # _StridedShard (FSDP2 over TP on the same dim): positions are not contiguous
+            try:
+                from torch.distributed.tensor._utils import _StridedShardOffsetMode
+                size, pos = p._local_shard_size_and_offset(sizes[d], n, c, offset_mode=_StridedShardOffsetMode.ALL)
+            except (ImportError, TypeError, AttributeError) as e:
+                raise BCPError(f"strided DTensor placement {p!r} is not supported on torch "
+                               f"{torch.__version__}: {e}") from None
+            pos = [int(x) for x in pos] if size else []
+        indices[d] = [prev[i] for i in pos]
+        sizes[d] = len(indices[d])
+    if tuple(sizes) != tuple(local.shape):
+        raise BCPError(f"DTensor local shape {tuple(local.shape)} does not match the {tuple(sizes)} its "
+                       f"placements {placements} imply for global shape {shape}")
+    per_dim = [(_dim_runs(indices[d]) if d in indices else [(0, 0, shape[d])]) for d in range(len(shape))]
+    boxes = []
+    for combo in itertools.product(*per_dim):
+        lengths = tuple(r[2] for r in combo)
+        if 0 in lengths and math.prod(shape) != 0:
+            continue
+        view = local
+        for d, (ls, _, n) in enumerate(combo):
+            view = view.narrow(d, ls, n)
+        boxes.append(Box(tuple(r[1] for r in combo), lengths, view))
+    return LocalTensor(shape, dt.dtype, tuple(boxes))
+
+
+def intersect(a_off, a_len, b_off, b_len):
+    """Intersection of two boxes as (offsets, lengths), or None if empty."""
+    off, ln = [], []
+    for ao, al, bo, bl in zip(a_off, a_len, b_off, b_len):
+        lo, hi = max(ao, bo), min(ao + al, bo + bl)
+        if hi <= lo:
+            return None
+        off.append(lo)
+        ln.append(hi - lo)
+    return tuple(off), tuple(ln)
