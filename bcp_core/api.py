@@ -74,12 +74,13 @@ def save(path: str | os.PathLike, state: dict, framework: str = "auto", async_sa
     root = storage_for(path, fsync=fsync)
     name = STEP_DIR.format(step) if step is not None else ""
     ckpt = root.child(name) if name else root
-    framework = resolve_framework(state, framework)
+    adapter = resolve_framework(state, framework)
+    framework = adapter.name if framework == "auto" else framework
     comm = Comm(process_group, timeout)
 
     # 1. Plan. Local errors travel in the plan so that every rank raises instead of hanging.
     try:
-        local = local_save_plan(save_leaves(state), comm.rank, allow_pickle)
+        local = local_save_plan(save_leaves(state, adapter), comm.rank, allow_pickle)
         message: dict = local.message
     except Exception as e:  # noqa: BLE001 - reported on every rank below
         local, message = None, {"error": f"rank {comm.rank}: {type(e).__name__}: {e}"}
@@ -252,9 +253,9 @@ def load(path: str | os.PathLike, state: dict, framework: str = "auto", strict: 
     """
     st = resolve(path)
     md = read_metadata(st)
-    resolve_framework(state, framework)
+    adapter = resolve_framework(state, framework)
     rank = _rank(process_group)
-    lt = load_targets(state, md)
+    lt = load_targets(state, md, adapter)
     result = LoadResult(st.root)
 
     # Keys the checkpoint has below a plain dict but the dict lacks are added to it.

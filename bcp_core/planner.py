@@ -22,7 +22,7 @@ import torch
 from . import codec
 from .errors import PlanError, ShapeMismatchError
 from .metadata import Piece, TensorMeta, dtype_from_name, dtype_name, element_size
-from .shards import Box, LocalTensor, intersect, local_tensor
+from .shards import Box, LocalTensor, intersect, is_tensor_like, local_tensor
 from .state import SaveLeaf
 
 
@@ -58,7 +58,7 @@ def local_save_plan(leaves: list[SaveLeaf], rank: int, allow_pickle: bool) -> Lo
                 per_rank_tensors[leaf.fqn] = v.detach()
             else:
                 per_rank[leaf.fqn] = {"object": codec.encode(v, leaf.fqn, allow_pickle)}
-        elif isinstance(v, torch.Tensor):
+        elif is_tensor_like(v):
             lt = local_tensor(v)
             tensors.append((leaf.fqn, lt))
             msg_tensors.append([leaf.fqn, dtype_name(lt.dtype), list(lt.global_shape),
@@ -77,7 +77,7 @@ class GlobalSavePlan:
     assignments: list[dict]                      # per rank: {"write": [[ti, bi]...], "variants": [[fqn, vid]...]}
     tensor_info: dict[str, tuple[str, list[int]]]  # fqn -> (dtype name, global shape)
     objects: dict[str, Any]
-    per_rank: dict[str, dict]                    # fqn -> {"ranks": [...], "variants": [{"object"}|{"tensor": [dt, shape]}]}
+    per_rank: dict[str, dict]  # fqn -> {"ranks": [...], "variants": [{"object"} or {"tensor": [dt, shape]}]}
     bytes_per_rank: list[int]
 
 
@@ -137,7 +137,7 @@ def global_save_plan(plans: list[dict]) -> GlobalSavePlan:
                 else:
                     pr["variants"].append(entry)
             pr["ranks"][r] = vid
-    for fqn, pr in per_rank.items():
+    for pr in per_rank.values():
         del pr["_ids"]
         missing = [r for r, v in enumerate(pr["ranks"]) if v is None]
         if missing:

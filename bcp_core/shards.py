@@ -43,6 +43,31 @@ class LocalTensor:
     boxes: tuple[Box, ...]
 
 
+class ShardedView:
+    """A tensor this rank holds only parts of, given as boxes of its global shape.
+
+    The common currency of adapters whose shards are not one box: FSDP1 flat-parameter slices,
+    Megatron ShardedTensors and distributed-optimizer buckets. The boxes' views alias the live
+    storage, so saving reads from it and loading writes into it in place.
+    """
+
+    def __init__(self, global_shape: tuple[int, ...], dtype: torch.dtype, boxes: list[Box] | tuple[Box, ...]):
+        self.shape = tuple(global_shape)
+        self.dtype = dtype
+        self.boxes = tuple(boxes)
+
+    def __bcp_local_tensor__(self) -> LocalTensor:
+        return LocalTensor(self.shape, self.dtype, self.boxes)
+
+    def __repr__(self) -> str:
+        return f"ShardedView(shape={self.shape}, dtype={self.dtype}, boxes={len(self.boxes)})"
+
+
+def is_tensor_like(v) -> bool:
+    """Values saved and loaded as tensors: torch tensors (plain or DTensor) and ShardedViews."""
+    return isinstance(v, (torch.Tensor, ShardedView))
+
+
 def is_dtensor(t) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
 
@@ -51,9 +76,9 @@ def global_shape_of(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)  # DTensor.shape is already the global shape
 
 
-def local_tensor(t: torch.Tensor) -> LocalTensor:
-    """Boxes of a plain tensor or DTensor."""
-    if hasattr(t, "__bcp_local_tensor__"):  # adapters may attach their own decomposition
+def local_tensor(t) -> LocalTensor:
+    """Boxes of a plain tensor, DTensor or ShardedView."""
+    if isinstance(t, ShardedView):
         return t.__bcp_local_tensor__()
     if is_dtensor(t):
         return _dtensor_boxes(t)

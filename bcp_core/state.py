@@ -22,7 +22,7 @@ from torch import nn
 
 from .errors import BCPError, UnsupportedValueError
 from .metadata import CheckpointMetadata, TensorMeta
-from .shards import is_dtensor
+from .shards import is_dtensor, is_tensor_like
 
 PER_RANK_KEY = "extra_state"
 FRAMEWORKS = ("auto", "plain", "ddp", "fsdp2", "fsdp", "megatron")
@@ -40,7 +40,7 @@ class SaveLeaf:
 class LoadTarget:
     fqn: str
     per_rank: bool
-    tensor: torch.Tensor | None = None          # filled in place when not None
+    tensor: Any = None                          # tensor or ShardedView, filled in place when not None
     set_value: Callable[[Any], None] | None = None  # receives decoded objects / new tensors
     optional: bool = False                      # absence is not a missing key (strict)
 
@@ -57,7 +57,7 @@ class LoadTargets:
     structured: list[str] = field(default_factory=list)
 
 
-# ----------------------------------------------------------------------------- modules
+# ----------------------------------------------------------------------------- adapters
 
 def unwrap(module: nn.Module) -> nn.Module:
     """The user's module under DDP / torch.compile wrappers."""
@@ -74,51 +74,109 @@ def clean_fqn(name: str) -> str:
     return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS[:3])
 
 
-def module_state(module: nn.Module) -> dict[str, Any]:
-    """The module's state dict with wrapper prefixes removed; tensors alias the live parameters."""
-    sd = unwrap(module).state_dict()
-    return {clean_fqn(k): v for k, v in sd.items()}
+class ModuleAdapter:
+    """How one framework's modules and optimizers become FQN-keyed state, and back.
 
+    This base class serves plain modules, DDP, torch.compile, activation checkpointing and every
+    DTensor layout (FSDP2, TP, HSDP): their state dicts already hold tensors whose boxes bcp can
+    compute. A framework with other shards (FSDP1's flat parameters) subclasses it and returns
+    `ShardedView`s instead, then registers with `register_adapter`.
+    """
 
-def param_fqns(modules: list[nn.Module]) -> dict[int, str]:
-    """id(param) -> FQN for every parameter of the given modules (tied params: first name)."""
-    out: dict[int, str] = {}
-    for m in modules:
-        for name, p in unwrap(m).named_parameters():
+    name = "plain"
+
+    def matches(self, module: nn.Module) -> bool:
+        return True
+
+    def module_state(self, module: nn.Module) -> dict[str, Any]:
+        """FQN -> tensor-like aliasing the live storage (saved from; loaded into in place)."""
+        sd = unwrap(module).state_dict()
+        return {clean_fqn(k): v for k, v in sd.items()}
+
+    def param_fqns(self, module: nn.Module) -> dict[int, str]:
+        """id(param) -> FQN of every parameter an optimizer may hold (tied params: first name)."""
+        out: dict[int, str] = {}
+        for name, p in unwrap(module).named_parameters():
             out.setdefault(id(p), clean_fqn(name))
-    return out
+        return out
+
+    def optimizer_state(self, opt: torch.optim.Optimizer, key: str, fqn_of: dict[int, str]) -> dict[str, Any]:
+        """Relative keys `state.<param fqn>.<name>` and `param_groups` for saving."""
+        return optimizer_leaves(opt, key, fqn_of)
+
+    def optimizer_targets(self, opt, key: str, fqn_of: dict[int, str], md: CheckpointMetadata,
+                          out: LoadTargets) -> None:
+        """Add load targets (and a finisher handing the state to the optimizer) to `out`."""
+        optimizer_targets(opt, key, fqn_of, md, out)
+
+
+class DDPAdapter(ModuleAdapter):
+    name = "ddp"
+
+    def matches(self, module):
+        return isinstance(module, nn.parallel.DistributedDataParallel)
+
+
+class DTensorAdapter(ModuleAdapter):
+    name = "fsdp2"
+
+    def matches(self, module):
+        return any(is_dtensor(p) for p in module.parameters())
+
+
+_ADAPTERS: dict[str, ModuleAdapter] = {}
+# Adapters that live in their own module, imported on first use.
+_LAZY_ADAPTERS = {"fsdp": "bcp_core.fsdp"}
+
+
+def register_adapter(adapter: ModuleAdapter) -> ModuleAdapter:
+    _ADAPTERS[adapter.name] = adapter
+    return adapter
+
+
+for _a in (ModuleAdapter(), DDPAdapter(), DTensorAdapter()):
+    register_adapter(_a)
+
+
+def get_adapter(name: str) -> ModuleAdapter:
+    if name not in _ADAPTERS and name in _LAZY_ADAPTERS:
+        import importlib
+        importlib.import_module(_LAZY_ADAPTERS[name])
+    if name not in _ADAPTERS:
+        raise BCPError(f"framework {name!r} is not supported by this bcp installation")
+    return _ADAPTERS[name]
 
 
 def detect_framework(state: dict) -> str:
+    """The most specific framework among the state's modules: fsdp > fsdp2 > ddp > plain."""
     modules = [v for v in state.values() if isinstance(v, nn.Module)]
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
-    for m in modules:
-        if any(isinstance(s, FSDP1) for s in m.modules()):
-            return "fsdp"
-    for m in modules:
-        if any(is_dtensor(p) for p in m.parameters()):
-            return "fsdp2"
-    if any(isinstance(m, nn.parallel.DistributedDataParallel) for m in modules):
-        return "ddp"
+    if any(isinstance(s, FSDP1) for m in modules for s in m.modules()):
+        return "fsdp"
+    for name in ("fsdp2", "ddp"):
+        if any(_ADAPTERS[name].matches(m) for m in modules):
+            return name
     return "plain"
 
 
-def resolve_framework(state: dict, framework: str) -> str:
+def resolve_framework(state: dict, framework: str) -> ModuleAdapter:
     if framework not in FRAMEWORKS:
         raise BCPError(f"unknown framework {framework!r}; expected one of {', '.join(FRAMEWORKS)}")
     found = detect_framework(state)
     if framework == "auto":
         framework = found
-    elif framework in ("plain", "ddp") and found in ("fsdp", "fsdp2"):
-        raise BCPError(f"framework={framework!r} but the model is sharded ({found}); "
-                       f"pass framework={found!r} or 'auto'")
-    if framework in ("fsdp", "megatron"):
-        raise BCPError(f"framework {framework!r} is not supported by this bcp version; supported: "
-                       "plain, ddp, fsdp2 (DTensor: FSDP2, TP, HSDP)")
-    return framework
+    elif found == "fsdp" and framework != "fsdp" or framework == "fsdp" and found != "fsdp":
+        raise BCPError(f"framework={framework!r} but the model's layout is {found!r}; pass "
+                       f"framework={found!r} or 'auto'")
+    elif framework in ("plain", "ddp") and found == "fsdp2":
+        raise BCPError(f"framework={framework!r} but the model holds DTensor parameters (FSDP2/TP); "
+                       "pass framework='fsdp2' or 'auto'")
+    if framework == "megatron":  # Megatron state arrives as ShardedViews; the generic adapter serves it
+        return _ADAPTERS["plain"]
+    return get_adapter(framework)
 
 
-# ----------------------------------------------------------------------------- optimizers
+# ----------------------------------------------------------------------------- optimizers (generic)
 
 def _optimizer_params(opt: torch.optim.Optimizer) -> list[nn.Parameter]:
     return [p for g in opt.param_groups for p in g["params"]]
@@ -150,8 +208,8 @@ def optimizer_leaves(opt, key: str, fqn_of: dict[int, str]) -> dict[str, Any]:
     return out
 
 
-def _optimizer_targets(opt, key: str, fqn_of: dict[int, str], md: CheckpointMetadata,
-                       out: LoadTargets) -> None:
+def optimizer_targets(opt, key: str, fqn_of: dict[int, str], md: CheckpointMetadata,
+                      out: LoadTargets) -> None:
     params = _optimizer_params(opt)
     fqns = _optimizer_fqns(opt, key, fqn_of)
     index_of = {f: i for i, f in enumerate(fqns)}
@@ -226,10 +284,19 @@ def _is_stateful(v: Any) -> bool:
     return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))
 
 
-def save_leaves(state: dict) -> list[SaveLeaf]:
+def _fqn_map(adapter: ModuleAdapter, state: dict) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for v in state.values():
+        if isinstance(v, nn.Module):
+            for k, name in adapter.param_fqns(v).items():
+                out.setdefault(k, name)
+    return out
+
+
+def save_leaves(state: dict, adapter: ModuleAdapter) -> list[SaveLeaf]:
     if not isinstance(state, dict):
         raise UnsupportedValueError(f"state must be a dict, got {type(state).__name__}")
-    fqn_of = param_fqns([v for v in state.values() if isinstance(v, nn.Module)])
+    fqn_of = _fqn_map(adapter, state)
     leaves: list[SaveLeaf] = []
 
     def add_dict(prefix: str, d: dict, per_rank: bool) -> None:
@@ -241,12 +308,12 @@ def save_leaves(state: dict) -> list[SaveLeaf]:
 
     def add(fqn: str, v: Any, per_rank: bool) -> None:
         if isinstance(v, nn.Module):
-            add_dict(fqn, module_state(v), per_rank)
+            add_dict(fqn, adapter.module_state(v), per_rank)
         elif isinstance(v, torch.optim.Optimizer):
-            add_dict(fqn, optimizer_leaves(v, fqn, fqn_of), per_rank)
+            add_dict(fqn, adapter.optimizer_state(v, fqn, fqn_of), per_rank)
         elif isinstance(v, dict):
             add_dict(fqn, v, per_rank)
-        elif isinstance(v, torch.Tensor):
+        elif is_tensor_like(v):
             leaves.append(SaveLeaf(fqn, v, per_rank))
         elif _is_stateful(v):
             add_dict(fqn, v.state_dict(), per_rank)
@@ -263,10 +330,10 @@ def save_leaves(state: dict) -> list[SaveLeaf]:
     return leaves
 
 
-def load_targets(state: dict, md: CheckpointMetadata) -> LoadTargets:
+def load_targets(state: dict, md: CheckpointMetadata, adapter: ModuleAdapter) -> LoadTargets:
     if not isinstance(state, dict):
         raise UnsupportedValueError(f"state must be a dict, got {type(state).__name__}")
-    fqn_of = param_fqns([v for v in state.values() if isinstance(v, nn.Module)])
+    fqn_of = _fqn_map(adapter, state)
     out = LoadTargets()
 
     def add_dict(prefix: str, d: dict, per_rank: bool, into: dict | None) -> None:
@@ -281,8 +348,8 @@ def load_targets(state: dict, md: CheckpointMetadata) -> LoadTargets:
     def add(fqn: str, v: Any, per_rank: bool, setter) -> None:
         if isinstance(v, nn.Module):
             out.structured.append(fqn)
-            sd = module_state(v)
-            non_tensor = {k: x for k, x in sd.items() if not isinstance(x, torch.Tensor)}
+            sd = adapter.module_state(v)
+            non_tensor = {k: x for k, x in sd.items() if not is_tensor_like(x)}
             add_dict(fqn, sd, per_rank, sd)
             if non_tensor:  # e.g. get_extra_state(): hand the new values back through load_state_dict
                 keys = list(non_tensor)
@@ -290,11 +357,11 @@ def load_targets(state: dict, md: CheckpointMetadata) -> LoadTargets:
                     {k: sd[k] for k in keys}, strict=False))
         elif isinstance(v, torch.optim.Optimizer):
             out.structured.append(fqn)
-            _optimizer_targets(v, fqn, fqn_of, md, out)
+            adapter.optimizer_targets(v, fqn, fqn_of, md, out)
         elif isinstance(v, dict):
             out.containers.append((fqn, v))
             add_dict(fqn, v, per_rank, v)
-        elif isinstance(v, torch.Tensor):
+        elif is_tensor_like(v):
             out.targets[fqn] = LoadTarget(fqn, per_rank, tensor=v, set_value=setter)
         elif _is_stateful(v):
             sd = v.state_dict()

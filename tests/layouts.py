@@ -103,7 +103,8 @@ def assert_same(a, b, where="state"):
             assert_same(x, y, f"{where}[{i}]")
     elif isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), f"{where}: tensor vs {type(b)}"
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, \
+            f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
         assert torch.equal(a, b), f"{where}: values differ (max abs diff {(a.double() - b.double()).abs().max()})"
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
