@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -15,11 +16,12 @@ import torch
 
 from . import codec
 from .comm import DEFAULT_TIMEOUT, Comm
-from .engine import WriteItem, read_all, stage, write_items
-from .errors import (BCPError, IncompleteCheckpointError, KeyMismatchError, NotACheckpointError,
-                     SaveError, ShapeMismatchError)
+from .engine import WriteItem, read_all, read_verified, stage, write_items
+from .errors import (BCPError, IncompleteCheckpointError, KeyMismatchError, MetadataError,
+                     NotACheckpointError, SaveError, ShapeMismatchError)
 from .metadata import (CHECKSUM_BLOCK_BYTES, METADATA_FILE, TRACKER_FILE, CheckpointMetadata,
-                       ObjectValue, PerRankMeta, Piece, TensorMeta, dtype_from_name)
+                       ObjectPiece, ObjectValue, PerRankMeta, Piece, ShardedObjectMeta, TensorMeta,
+                       dtype_from_name)
 from .planner import ReadItem, box_read_items, global_save_plan, local_save_plan, read_items
 from .shards import Box
 from .state import LoadTarget, load_targets, resolve_framework, save_leaves
@@ -111,6 +113,11 @@ def save(path: str | os.PathLike, state: dict, framework: str = "auto", async_sa
                                ["t", fqn, list(box.offsets), list(box.lengths)]))
     for fqn, vid in mine["variants"]:
         items.append(WriteItem(f"{fqn}#{vid}", stage(local.per_rank_tensors[fqn], async_save), ["v", fqn, vid]))
+    for i in mine["shards"]:
+        fqn, _, index, _, _ = local.message["sharded_objects"][i]
+        data = torch.frombuffer(bytearray(local.object_shards[i]), dtype=torch.uint8) \
+            if local.object_shards[i] else torch.empty(0, dtype=torch.uint8)
+        items.append(WriteItem(f"{fqn}@{','.join(map(str, index))}", data, ["o", fqn, index]))
 
     def finish() -> str:
         # 3. Write, then 4. commit on the coordinator once every rank reports success.
@@ -165,6 +172,7 @@ def _build_metadata(gplan, reports, world_size, framework, user) -> CheckpointMe
     file_index: dict[str, int] = {}
     pieces: dict[str, list[Piece]] = {fqn: [] for fqn in gplan.tensor_info}
     variant_tensors: dict[tuple[str, int], Piece] = {}
+    shards: dict[str, list[ObjectPiece]] = {fqn: [] for fqn in gplan.sharded_grids}
     for rank, rep in enumerate(reports):
         for key, file, byte_offset, nbytes, crc in rep["pieces"]:
             fi = file_index.setdefault(file, len(file_index))
@@ -173,6 +181,9 @@ def _build_metadata(gplan, reports, world_size, framework, user) -> CheckpointMe
             if key[0] == "t":
                 _, fqn, offs, lens = key
                 pieces[fqn].append(Piece(tuple(offs), tuple(lens), fi, byte_offset, nbytes, tuple(crc), rank))
+            elif key[0] == "o":
+                _, fqn, index = key
+                shards[fqn].append(ObjectPiece(tuple(index), fi, byte_offset, nbytes, tuple(crc), rank))
             else:
                 _, fqn, vid = key
                 shape = gplan.per_rank[fqn]["variants"][vid]["tensor"][1]
@@ -190,9 +201,11 @@ def _build_metadata(gplan, reports, world_size, framework, user) -> CheckpointMe
             else:
                 variants.append(ObjectValue(v["object"]))
         per_rank[fqn] = PerRankMeta(tuple(pr["ranks"]), tuple(variants))
+    sharded = {fqn: ShardedObjectMeta(tuple(grid), tuple(sorted(shards[fqn], key=lambda p: p.index)))
+               for fqn, grid in sorted(gplan.sharded_grids.items())}
     return CheckpointMetadata(world_size=world_size, framework=framework, files=tuple(files), tensors=tensors,
                               objects={k: ObjectValue(v) for k, v in sorted(gplan.objects.items())},
-                              per_rank=per_rank, user=user)
+                              per_rank=per_rank, user=user, sharded_objects=sharded)
 
 
 # ----------------------------------------------------------------------------- resolve / inspect
@@ -276,6 +289,14 @@ def load(path: str | os.PathLike, state: dict, framework: str = "auto", strict: 
             continue
         if fqn in md.objects:
             _set(target, codec.decode(md.objects[fqn].encoded, fqn, allow_pickle))
+        elif fqn in md.sharded_objects:
+            reader = ShardReader(st, md, fqn, allow_pickle, verify_checksums)
+            if target.shard is None:
+                _set(target, reader)
+            elif target.shard.index is None:
+                target.shard.value, target.shard.grid = reader, reader.grid
+            else:
+                target.shard.value = reader[target.shard.index]
         elif fqn in md.per_rank:
             v = md.per_rank[fqn].variant_for(rank)
             if isinstance(v, ObjectValue):
@@ -304,6 +325,34 @@ def load(path: str | os.PathLike, state: dict, framework: str = "auto", strict: 
     if result.missing or result.unexpected:
         log.warning("bcp: %s", _key_report(st.root, result))
     return result
+
+
+class ShardReader:
+    """Reads the saved shards of one sharded object on demand: `reader[index]`, `reader.indices`."""
+
+    def __init__(self, st: Storage, md: CheckpointMetadata, fqn: str, allow_pickle: bool, verify: bool):
+        self._st, self._md, self.fqn = st, md, fqn
+        self._meta = md.sharded_objects[fqn]
+        self._allow_pickle, self._verify = allow_pickle, verify
+        self.grid = self._meta.grid
+        self.indices = [p.index for p in self._meta.shards]
+
+    def __contains__(self, index) -> bool:
+        return self._meta.shard(tuple(index)) is not None
+
+    def __getitem__(self, index) -> Any:
+        p = self._meta.shard(tuple(index))
+        if p is None:
+            raise KeyMismatchError(f"sharded object {self.fqn!r} has no shard at index {tuple(index)} "
+                                   f"(grid {self.grid}, saved {len(self.indices)} shards)")
+        what = f"shard {list(p.index)} of {self.fqn!r}"
+        data = read_verified(self._st, self._md.files[p.file], p.byte_offset, p.nbytes, p.crc32,
+                             self._md.checksum_block_bytes, what, self._verify)
+        try:
+            raw = json.loads(data)
+        except ValueError as e:
+            raise MetadataError(f"{what} in {self._md.files[p.file]} is not valid JSON: {e}") from None
+        return codec.decode(raw, self.fqn, self._allow_pickle)
 
 
 def _set(target: LoadTarget, value: Any) -> None:

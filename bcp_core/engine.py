@@ -140,19 +140,40 @@ def _contiguous_strides(lengths: tuple[int, ...]) -> list[int]:
     return strides[::-1]
 
 
-def _verify(data: memoryview, start: int, item: ReadItem, file: str, block: int) -> None:
-    """Check the CRC of each whole block of the piece contained in data (which begins at piece byte `start`)."""
-    p = item.piece
-    first = start // block
-    for b in range(first, num_blocks(p.nbytes, block)):
-        lo, hi = b * block - start, min((b + 1) * block, p.nbytes) - start
+def verify_blocks(data: memoryview, start: int, nbytes: int, crcs: tuple[int, ...], block: int,
+                  file: str, byte_offset: int, what: str) -> None:
+    """Check the CRC of each whole checksum block of a piece contained in `data`.
+
+    `data` holds the piece's bytes from piece offset `start` on; the piece has `nbytes` bytes and
+    starts at `byte_offset` in `file`.
+    """
+    for b in range(start // block, num_blocks(nbytes, block)):
+        lo, hi = b * block - start, min((b + 1) * block, nbytes) - start
         if hi > len(data):
             break
-        if zlib.crc32(data[lo:hi]) != p.crc32[b]:
-            raise ChecksumError(
-                f"checksum mismatch in {file} bytes [{p.byte_offset + b * block}, "
-                f"{p.byte_offset + b * block + hi - lo}) of tensor {item.fqn!r} (piece offsets "
-                f"{list(p.offsets)} lengths {list(p.lengths)}): the data file is corrupted")
+        if zlib.crc32(data[lo:hi]) != crcs[b]:
+            raise ChecksumError(f"checksum mismatch in {file} bytes [{byte_offset + b * block}, "
+                                f"{byte_offset + b * block + hi - lo}) of {what}: the data file is corrupted")
+
+
+def _verify(data: memoryview, start: int, item: ReadItem, file: str, block: int) -> None:
+    p = item.piece
+    verify_blocks(data, start, p.nbytes, p.crc32, block, file, p.byte_offset,
+                  f"tensor {item.fqn!r} (piece offsets {list(p.offsets)} lengths {list(p.lengths)})")
+
+
+def read_verified(storage: Storage, file: str, byte_offset: int, nbytes: int, crcs: tuple[int, ...],
+                  block: int, what: str, verify: bool = True) -> bytes:
+    """The whole byte range of one piece, checked against its checksums."""
+    buf = bytearray(nbytes)
+    try:
+        storage.read_into(file, byte_offset, memoryview(buf))
+    except (OSError, StorageError) as e:
+        raise StorageError(f"reading {file} bytes [{byte_offset}, {byte_offset + nbytes}) for {what} "
+                           f"failed: {e}") from e
+    if verify:
+        verify_blocks(memoryview(buf), 0, nbytes, crcs, block, file, byte_offset, what)
+    return bytes(buf)
 
 
 def read_item(storage: Storage, files: tuple[str, ...], block: int, item: ReadItem, verify: bool) -> None:

@@ -112,6 +112,36 @@ class ObjectValue:
 
 
 @dataclass(frozen=True)
+class ObjectPiece:
+    """One saved shard of a sharded object: its grid index and where its JSON bytes are."""
+
+    index: tuple[int, ...]
+    file: int
+    byte_offset: int
+    nbytes: int
+    crc32: tuple[int, ...]
+    rank: int
+
+    def to_json(self) -> dict:
+        return {"index": list(self.index), "file": self.file, "byte_offset": self.byte_offset,
+                "nbytes": self.nbytes, "crc32": list(self.crc32), "rank": self.rank}
+
+
+@dataclass(frozen=True)
+class ShardedObjectMeta:
+    """A non-tensor value sharded over `grid`; each saved index is one piece (the paper's LoaderShardtoByteMap)."""
+
+    grid: tuple[int, ...]
+    shards: tuple[ObjectPiece, ...]
+
+    def shard(self, index: tuple[int, ...]) -> ObjectPiece | None:
+        return next((p for p in self.shards if p.index == tuple(index)), None)
+
+    def to_json(self) -> dict:
+        return {"grid": list(self.grid), "shards": [p.to_json() for p in self.shards]}
+
+
+@dataclass(frozen=True)
 class CheckpointMetadata:
     world_size: int
     framework: str
@@ -119,12 +149,13 @@ class CheckpointMetadata:
     tensors: dict[str, TensorMeta]
     objects: dict[str, ObjectValue]
     per_rank: dict[str, PerRankMeta]
+    sharded_objects: dict[str, ShardedObjectMeta] = field(default_factory=dict)
     checksum_block_bytes: int = CHECKSUM_BLOCK_BYTES
     user: dict = field(default_factory=dict)
     version: int = FORMAT_VERSION
 
     def keys(self) -> set[str]:
-        return set(self.tensors) | set(self.objects) | set(self.per_rank)
+        return set(self.tensors) | set(self.objects) | set(self.per_rank) | set(self.sharded_objects)
 
     def to_json(self) -> dict:
         def variant_json(v):
@@ -141,6 +172,7 @@ class CheckpointMetadata:
             "objects": {k: o.encoded for k, o in self.objects.items()},
             "per_rank": {k: {"ranks": list(p.ranks), "variants": [variant_json(v) for v in p.variants]}
                          for k, p in self.per_rank.items()},
+            "sharded_objects": {k: o.to_json() for k, o in self.sharded_objects.items()},
             "user": self.user,
         }
 
@@ -259,11 +291,39 @@ def _parse(raw: Any, source: str) -> CheckpointMetadata:
         _need(len(ranks) > 0 and all(r < len(variants) for r in ranks), source,
               f"per_rank {k!r} ranks index missing variants")
         per_rank[k] = PerRankMeta(ranks, tuple(variants))
-    overlap = (set(tensors) & set(objects)) | ((set(tensors) | set(objects)) & set(per_rank))
+    sharded_raw = raw.get("sharded_objects", {})
+    _need(isinstance(sharded_raw, dict), source, "sharded_objects must be an object")
+    sharded = {k: _parse_sharded_object(k, v, len(files), block, source) for k, v in sharded_raw.items()}
+    sections = [set(tensors), set(objects), set(per_rank), set(sharded)]
+    overlap = {k for i, a in enumerate(sections) for b in sections[i + 1:] for k in a & b}
     _need(not overlap, source, f"keys stored twice: {sorted(overlap)[:5]}")
     user = raw.get("user", {})
     _need(isinstance(user, dict), source, "user must be an object")
     return CheckpointMetadata(
         world_size=_int(raw.get("world_size"), source, "world_size", lo=1),
         framework=str(raw.get("framework", "")), files=files, tensors=tensors, objects=objects,
-        per_rank=per_rank, checksum_block_bytes=block, user=user, version=version)
+        per_rank=per_rank, sharded_objects=sharded, checksum_block_bytes=block, user=user, version=version)
+
+
+def _parse_sharded_object(fqn: str, raw: Any, n_files: int, block: int, source: str) -> ShardedObjectMeta:
+    where = f"sharded object {fqn!r}"
+    _need(isinstance(raw, dict) and isinstance(raw.get("shards"), list), source, f"{where} needs a shards list")
+    grid = _ints(raw.get("grid"), source, f"{where} grid")
+    shards, seen = [], set()
+    for i, p in enumerate(raw["shards"]):
+        pw = f"{where} shard {i}"
+        _need(isinstance(p, dict), source, f"{pw} is not an object")
+        index = _ints(p.get("index"), source, f"{pw} index")
+        _need(len(index) == len(grid) and all(x < g for x, g in zip(index, grid)), source,
+              f"{pw} index {index} lies outside grid {grid}")
+        _need(index not in seen, source, f"{pw} index {index} saved twice")
+        seen.add(index)
+        nbytes = _int(p.get("nbytes"), source, f"{pw} nbytes")
+        crc = _ints(p.get("crc32"), source, f"{pw} crc32", max_len=1 << 30)
+        _need(len(crc) == num_blocks(nbytes, block), source, f"{pw} has {len(crc)} checksums for {nbytes} bytes")
+        piece = ObjectPiece(index, _int(p.get("file"), source, f"{pw} file"),
+                            _int(p.get("byte_offset"), source, f"{pw} byte_offset"), nbytes, crc,
+                            _int(p.get("rank"), source, f"{pw} rank"))
+        _need(piece.file < n_files, source, f"{pw} names file index {piece.file} but there are {n_files} files")
+        shards.append(piece)
+    return ShardedObjectMeta(grid, tuple(shards))

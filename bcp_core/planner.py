@@ -13,6 +13,7 @@ Load: each rank intersects the boxes it needs with the saved pieces
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,7 @@ import torch
 from . import codec
 from .errors import PlanError, ShapeMismatchError
 from .metadata import Piece, TensorMeta, dtype_from_name, dtype_name, element_size
-from .shards import Box, LocalTensor, intersect, is_tensor_like, local_tensor
+from .shards import Box, LocalTensor, ObjectShard, intersect, is_tensor_like, local_tensor
 from .state import SaveLeaf
 
 
@@ -35,6 +36,7 @@ class LocalSavePlan:
     message: dict
     tensors: list[tuple[str, LocalTensor]]      # index matches message["tensors"]
     per_rank_tensors: dict[str, torch.Tensor]
+    object_shards: list[bytes]                  # index matches message["sharded_objects"]
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -45,11 +47,19 @@ def _digest(t: torch.Tensor) -> str:
 
 def local_save_plan(leaves: list[SaveLeaf], rank: int, allow_pickle: bool) -> LocalSavePlan:
     tensors: list[tuple[str, LocalTensor]] = []
-    msg_tensors, objects, per_rank = [], {}, {}
-    per_rank_tensors = {}
+    msg_tensors, objects, per_rank, msg_shards = [], {}, {}, []
+    per_rank_tensors, object_shards = {}, []
     for leaf in leaves:
         v = leaf.value
-        if leaf.per_rank:
+        if isinstance(v, ObjectShard):
+            if v.index is None or len(v.index) != len(v.grid) or any(
+                    not 0 <= i < g for i, g in zip(v.index, v.grid)):
+                raise PlanError(f"{leaf.fqn}: object shard index {v.index} does not lie in grid {v.grid}")
+            data = json.dumps(codec.encode(v.value, leaf.fqn, allow_pickle), separators=(",", ":")).encode()
+            msg_shards.append([leaf.fqn, list(v.grid), list(v.index), len(data),
+                               hashlib.blake2b(data, digest_size=16).hexdigest()])
+            object_shards.append(data)
+        elif leaf.per_rank:
             if isinstance(v, torch.Tensor):
                 if v.__class__ is not torch.Tensor and not isinstance(v, torch.nn.Parameter):
                     raise PlanError(f"{leaf.fqn}: per-rank (extra_state) tensors must be plain tensors, "
@@ -66,19 +76,21 @@ def local_save_plan(leaves: list[SaveLeaf], rank: int, allow_pickle: bool) -> Lo
         else:
             # replicated values: the coordinator's copy is saved; others only prove they have the key
             objects[leaf.fqn] = codec.encode(v, leaf.fqn, allow_pickle) if rank == 0 else None
-    message = {"tensors": msg_tensors, "objects": objects, "per_rank": per_rank}
-    return LocalSavePlan(message, tensors, per_rank_tensors)
+    message = {"tensors": msg_tensors, "objects": objects, "per_rank": per_rank, "sharded_objects": msg_shards}
+    return LocalSavePlan(message, tensors, per_rank_tensors, object_shards)
 
 
 @dataclass
 class GlobalSavePlan:
     """The coordinator's view: what each rank writes, and what the metadata will hold."""
 
-    assignments: list[dict]                      # per rank: {"write": [[ti, bi]...], "variants": [[fqn, vid]...]}
+    # per rank: {"write": [[ti, bi]...], "variants": [[fqn, vid]...], "shards": [i...]}
+    assignments: list[dict]
     tensor_info: dict[str, tuple[str, list[int]]]  # fqn -> (dtype name, global shape)
     objects: dict[str, Any]
     per_rank: dict[str, dict]  # fqn -> {"ranks": [...], "variants": [{"object"} or {"tensor": [dt, shape]}]}
     bytes_per_rank: list[int]
+    sharded_grids: dict[str, list[int]]          # fqn -> grid of each sharded object
 
 
 def global_save_plan(plans: list[dict]) -> GlobalSavePlan:
@@ -98,7 +110,7 @@ def global_save_plan(plans: list[dict]) -> GlobalSavePlan:
     # Worst-fit: boxes held by one rank are fixed; replicated boxes go, largest first, to the
     # holder with the fewest bytes so far (ties: lowest rank).
     load = [0] * world
-    assignments: list[dict] = [{"write": [], "variants": []} for _ in range(world)]
+    assignments: list[dict] = [{"write": [], "variants": [], "shards": []} for _ in range(world)]
     replicated = []
     for key, hs in holders.items():
         nbytes = math.prod(key[2]) * element_size(dtype_from_name(tensor_info[key[0]][0]))
@@ -113,6 +125,23 @@ def global_save_plan(plans: list[dict]) -> GlobalSavePlan:
         r, ti, bi = min(hs, key=lambda h: (load[h[0]], h[0]))
         load[r] += nbytes
         assignments[r]["write"].append([ti, bi])
+
+    grids: dict[str, list[int]] = {}
+    shard_holders: dict[tuple, list[tuple[int, int, int, str]]] = {}
+    for r, plan in enumerate(plans):
+        for i, (fqn, grid, index, nbytes, digest) in enumerate(plan["sharded_objects"]):
+            if grids.setdefault(fqn, grid) != grid:
+                raise PlanError(f"sharded object {fqn!r}: ranks disagree on its grid ({grids[fqn]} vs {grid} "
+                                f"on rank {r})")
+            hs = shard_holders.setdefault((fqn, tuple(index)), [])
+            if hs and hs[0][3] != digest:
+                raise PlanError(f"sharded object {fqn!r} index {index}: rank {hs[0][0]} and rank {r} hold "
+                                "different values for the same shard")
+            hs.append((r, i, nbytes, digest))
+    for hs in sorted(shard_holders.values(), key=lambda hs: -hs[0][2]):
+        r, i, nbytes, _ = min(hs, key=lambda h: (load[h[0]], h[0]))
+        load[r] += nbytes
+        assignments[r]["shards"].append(i)
 
     objects = dict(plans[0]["objects"])
     for r, plan in enumerate(plans[1:], start=1):
@@ -146,7 +175,7 @@ def global_save_plan(plans: list[dict]) -> GlobalSavePlan:
             for r in missing:
                 pr["ranks"][r] = first
     info = {k: (v[0], v[1]) for k, v in tensor_info.items()}
-    return GlobalSavePlan(assignments, info, objects, per_rank, load)
+    return GlobalSavePlan(assignments, info, objects, per_rank, load, grids)
 
 
 def _check_coverage(tensor_info, holders) -> None:

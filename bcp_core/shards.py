@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -61,6 +62,21 @@ class ShardedView:
 
     def __repr__(self) -> str:
         return f"ShardedView(shape={self.shape}, dtype={self.dtype}, boxes={len(self.boxes)})"
+
+
+@dataclass
+class ObjectShard:
+    """One shard of a non-tensor value sharded over a grid.
+
+    A DP rank's dataloader buffer is `ObjectShard(buf, index=(dp_rank, worker), grid=(dp, workers))`;
+    a Megatron ShardedObject maps the same way. Ranks holding the same index hold the same value:
+    it is written once. On load, a target with an `index` receives that shard's value; a target with
+    `index=None` receives a `ShardReader` so the owner can pick the shards it needs (resharding).
+    """
+
+    value: Any
+    index: tuple[int, ...] | None
+    grid: tuple[int, ...] = ()
 
 
 def is_tensor_like(v) -> bool:

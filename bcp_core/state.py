@@ -22,7 +22,7 @@ from torch import nn
 
 from .errors import BCPError, UnsupportedValueError
 from .metadata import CheckpointMetadata, TensorMeta
-from .shards import is_dtensor, is_tensor_like
+from .shards import ObjectShard, is_dtensor, is_tensor_like
 
 PER_RANK_KEY = "extra_state"
 FRAMEWORKS = ("auto", "plain", "ddp", "fsdp2", "fsdp", "megatron")
@@ -43,6 +43,7 @@ class LoadTarget:
     tensor: Any = None                          # tensor or ShardedView, filled in place when not None
     set_value: Callable[[Any], None] | None = None  # receives decoded objects / new tensors
     optional: bool = False                      # absence is not a missing key (strict)
+    shard: ObjectShard | None = None            # receives a sharded object's shard (or a ShardReader)
 
 
 @dataclass
@@ -363,6 +364,8 @@ def load_targets(state: dict, md: CheckpointMetadata, adapter: ModuleAdapter) ->
             add_dict(fqn, v, per_rank, v)
         elif is_tensor_like(v):
             out.targets[fqn] = LoadTarget(fqn, per_rank, tensor=v, set_value=setter)
+        elif isinstance(v, ObjectShard):
+            out.targets[fqn] = LoadTarget(fqn, per_rank, set_value=setter, shard=v)
         elif _is_stateful(v):
             sd = v.state_dict()
             out.containers.append((fqn, sd))
