@@ -1,0 +1,79 @@
+"""The on-disk format is what docs/format.md says: JSON metadata, safetensors-framed data files."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+import bcp_core as bcp
+from bcp_core import codec
+
+
+def test_metadata_and_data_files_match_the_spec(tmp_path):
+    t = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.tensor([1, 2], dtype=torch.bfloat16),
+         "c": torch.zeros(2, dtype=torch.complex64), "scalar": torch.tensor(5)}
+    bcp.save(str(tmp_path), {"t": t, "extra_state": {"i": 1}}, step=3).wait()
+    assert (tmp_path / "latest").read_text() == "step_00000003"
+    ck = tmp_path / "step_00000003"
+    raw = json.loads((ck / "bcp_metadata.json").read_text())
+    assert raw["format"] == "bcp" and raw["version"] == bcp.FORMAT_VERSION
+    assert raw["checksum"] == {"algorithm": "crc32", "block_bytes": 4 << 20}
+    w = raw["tensors"]["t.w"]
+    assert w["dtype"] == "float32" and w["shape"] == [3, 4]
+    (piece,) = w["pieces"]
+    assert piece["offsets"] == [0, 0] and piece["lengths"] == [3, 4] and piece["nbytes"] == 48
+    assert raw["per_rank"]["extra_state.i"] == {"ranks": [0], "variants": [{"object": 1}]}
+    # safetensors tools open the data file without bcp; unknown dtypes are framed as U8
+    path = os.path.join(ck, raw["files"][piece["file"]])
+    with safe_open(path, "pt") as f:
+        assert torch.equal(f.get_tensor("t.w@0,0"), t["w"])
+        assert torch.equal(f.get_tensor("t.b@0"), t["b"])
+        assert f.get_tensor("t.c@0").dtype == torch.uint8
+        assert f.get_tensor("t.scalar@").shape == ()
+
+
+def test_codec_round_trip():
+    value = {"a": (1, 2.5, None), "b": [b"\x00\xff", float("nan"), float("-inf")], 3: "int key",
+             "__tag_like__": True, "dt": torch.bfloat16, "dev": torch.device("cpu"),
+             "t": torch.arange(4, dtype=torch.int16), "np": np.arange(6, dtype=np.float32).reshape(2, 3),
+             "npint": np.int64(7)}
+    enc = codec.encode(value)
+    json.dumps(enc, allow_nan=False)  # strict JSON
+    dec = codec.decode(json.loads(json.dumps(enc)))
+    assert dec["a"] == (1, 2.5, None) and dec["b"][0] == b"\x00\xff" and math.isnan(dec["b"][1])
+    assert dec["b"][2] == float("-inf") and dec[3] == "int key" and dec["__tag_like__"] is True
+    assert dec["dt"] is torch.bfloat16 and dec["dev"] == torch.device("cpu")
+    assert torch.equal(dec["t"], value["t"]) and np.array_equal(dec["np"], value["np"]) and dec["npint"] == 7
+
+
+def test_codec_refuses_object_arrays_and_unknown_tags():
+    with pytest.raises(bcp.UnsupportedValueError, match="numpy dtype object refused"):
+        codec.decode({"__ndarray__": {"dtype": "|O", "shape": [1], "data": ""}})
+    with pytest.raises(bcp.UnsupportedValueError, match="cannot save a value of type builtins.set"):
+        codec.encode({1, 2}, "x")
+
+
+def test_python_and_numpy_rng_state_round_trip(tmp_path):
+    import random
+    state = {"extra_state": {"py": random.getstate(), "np": np.random.get_state(), "torch": torch.get_rng_state()}}
+    bcp.save(str(tmp_path), state).wait()
+    out: dict = {"extra_state": {}}
+    bcp.load(str(tmp_path), out)
+    assert out["extra_state"]["py"] == state["extra_state"]["py"]
+    np_saved, np_loaded = state["extra_state"]["np"], out["extra_state"]["np"]
+    assert np_loaded[0] == np_saved[0] and np.array_equal(np_loaded[1], np_saved[1])
+    assert torch.equal(out["extra_state"]["torch"], state["extra_state"]["torch"])
+
+
+def test_inspect_reads_no_tensor_bytes(tmp_path, monkeypatch):
+    bcp.save(str(tmp_path), {"w": torch.ones(1000)}).wait()
+    from bcp_core import storage
+    monkeypatch.setattr(storage.LocalStorage, "read_into", lambda *a, **k: pytest.fail("tensor bytes read"))
+    md = bcp.inspect(str(tmp_path))
+    assert md.tensors["w"].shape == (1000,) and md.tensors["w"].nbytes == 4000
