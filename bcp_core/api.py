@@ -6,8 +6,7 @@ import json
 import logging
 import os
 import re
-import threading
-from concurrent.futures import Future
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -15,197 +14,44 @@ from typing import Any
 import torch
 
 from . import codec
-from .comm import DEFAULT_TIMEOUT, Comm
-from .engine import WriteItem, read_all, read_verified, stage, write_items
+from .checkpointer import SaveHandle, get_checkpointer
+from .comm import DEFAULT_TIMEOUT
+from .engine import read_all, read_verified
 from .errors import (BCPError, IncompleteCheckpointError, KeyMismatchError, MetadataError,
-                     NotACheckpointError, SaveError, ShapeMismatchError)
-from .metadata import (CHECKSUM_BLOCK_BYTES, METADATA_FILE, TRACKER_FILE, CheckpointMetadata,
-                       ObjectPiece, ObjectValue, PerRankMeta, Piece, ShardedObjectMeta, TensorMeta,
-                       dtype_from_name)
-from .planner import ReadItem, box_read_items, global_save_plan, local_save_plan, read_items
+                     NotACheckpointError, ShapeMismatchError)
+from .metadata import METADATA_FILE, TRACKER_FILE, CheckpointMetadata, ObjectValue
+from .planner import ReadItem, box_read_items, read_items
 from .shards import Box
-from .state import LoadTarget, load_targets, resolve_framework, save_leaves
+from .state import LoadTarget, load_targets, resolve_framework
 from .storage import Storage, storage_for
 
 log = logging.getLogger("bcp")
 
-STEP_DIR = "step_{:08d}"
 _STEP_RE = re.compile(r"^step_(\d+)$")
-
-
-# ----------------------------------------------------------------------------- handles
-
-class SaveHandle:
-    """Result of `save`. `wait()` returns once the checkpoint is durable and committed."""
-
-    def __init__(self, path: str, future: Future):
-        self.path = path
-        self._future = future
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def wait(self, timeout: float | None = None) -> str:
-        """Block until committed; re-raise the save's error if it failed. Returns the checkpoint path."""
-        self._future.result(timeout)
-        return self.path
-
-
-def _finished(path: str, exc: BaseException | None = None) -> SaveHandle:
-    f: Future = Future()
-    if exc is None:
-        f.set_result(path)
-    else:
-        f.set_exception(exc)
-    return SaveHandle(path, f)
 
 
 # ----------------------------------------------------------------------------- save
 
 def save(path: str | os.PathLike, state: dict, framework: str = "auto", async_save: bool = False, *,
-         step: int | None = None, process_group=None, allow_pickle: bool = False, fsync: bool = True,
-         num_threads: int = 4, user_metadata: dict | None = None,
-         timeout: timedelta = DEFAULT_TIMEOUT) -> SaveHandle:
+         step: int | None = None, role: str = "default", process_group=None, allow_pickle: bool = False,
+         fsync: bool = True, num_threads: int = 4, user_metadata: dict | None = None,
+         on_commit: Callable[[str], None] | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> SaveHandle:
     """Save `state` from every rank into the checkpoint at `path`. Collective: call on all ranks.
 
     With `step`, `path` is a root: the checkpoint goes to `path/step_<step>` and the root's `latest`
     tracker points at it once committed. Without, `path` is the checkpoint directory itself.
-    With `async_save=True` the call returns once the state is copied aside; writing and committing
-    continue in the background and `handle.wait()` blocks until durable.
+
+    With `async_save=True` the call returns once this rank's share is copied into reused staging
+    buffers; writing and committing continue in the background. `handle.wait()` blocks until the
+    checkpoint is durable and committed; a background failure is raised by `wait()` and, at the
+    latest, by the next `save` of the same `role`. `on_commit(path)` runs on every rank once the
+    checkpoint is committed. Each `role` (e.g. "actor", "critic") has its own plan cache, staging
+    buffers and queue. A second save whose structure is unchanged reuses the cached plan and
+    performs no planning collective.
     """
-    root = storage_for(path, fsync=fsync)
-    name = STEP_DIR.format(step) if step is not None else ""
-    ckpt = root.child(name) if name else root
-    adapter = resolve_framework(state, framework)
-    framework = adapter.name if framework == "auto" else framework
-    comm = Comm(process_group, timeout)
-
-    # 1. Plan. Local errors travel in the plan so that every rank raises instead of hanging.
-    try:
-        local = local_save_plan(save_leaves(state, adapter), comm.rank, allow_pickle)
-        message: dict = local.message
-    except Exception as e:  # noqa: BLE001 - reported on every rank below
-        local, message = None, {"error": f"rank {comm.rank}: {type(e).__name__}: {e}"}
-    plans = comm.gather(message)
-    reply: dict = {}
-    gplan = None
-    if comm.is_coordinator:
-        errors = [p["error"] for p in plans if "error" in p]
-        try:
-            if errors:
-                raise SaveError("; ".join(errors))
-            gplan = global_save_plan(plans)
-            _prepare_directory(ckpt)
-            reply = {"assignments": gplan.assignments}
-        except Exception as e:  # noqa: BLE001
-            reply = {"error": f"{type(e).__name__}: {e}" if not isinstance(e, BCPError) else str(e)}
-    reply = comm.broadcast(reply)
-    if "error" in reply:
-        raise SaveError(f"save to {ckpt.root} planned nothing: {reply['error']}")
-
-    # 2. Stage what this rank writes (the only part an async save blocks on).
-    mine = reply["assignments"][comm.rank]
-    items = []
-    for ti, bi in mine["write"]:
-        fqn, lt = local.tensors[ti]
-        box = lt.boxes[bi]
-        items.append(WriteItem(f"{fqn}@{','.join(map(str, box.offsets))}", stage(box.view, async_save),
-                               ["t", fqn, list(box.offsets), list(box.lengths)]))
-    for fqn, vid in mine["variants"]:
-        items.append(WriteItem(f"{fqn}#{vid}", stage(local.per_rank_tensors[fqn], async_save), ["v", fqn, vid]))
-    for i in mine["shards"]:
-        fqn, _, index, _, _ = local.message["sharded_objects"][i]
-        data = torch.frombuffer(bytearray(local.object_shards[i]), dtype=torch.uint8) \
-            if local.object_shards[i] else torch.empty(0, dtype=torch.uint8)
-        items.append(WriteItem(f"{fqn}@{','.join(map(str, index))}", data, ["o", fqn, index]))
-
-    def finish() -> str:
-        # 3. Write, then 4. commit on the coordinator once every rank reports success.
-        try:
-            written = write_items(ckpt, comm.rank, items, num_threads, CHECKSUM_BLOCK_BYTES)
-            report: dict = {"pieces": [[w.key, w.file, w.byte_offset, w.nbytes, w.crc32] for w in written]}
-        except Exception as e:  # noqa: BLE001 - reported on every rank below
-            report = {"error": f"rank {comm.rank}: {type(e).__name__}: {e}"}
-        reports = comm.gather(report)
-        status: dict = {}
-        if comm.is_coordinator:
-            try:
-                errors = [r["error"] for r in reports if "error" in r]
-                if errors:
-                    raise SaveError("; ".join(errors))
-                md = _build_metadata(gplan, reports, comm.world_size, framework, user_metadata or {})
-                ckpt.write_atomic(METADATA_FILE, md.dumps())
-                if name:
-                    root.write_atomic(TRACKER_FILE, name.encode())
-                status = {"ok": True}
-            except Exception as e:  # noqa: BLE001
-                status = {"error": f"{type(e).__name__}: {e}"}
-        status = comm.broadcast(status)
-        if "error" in status:
-            raise SaveError(f"save to {ckpt.root} failed and was not committed: {status['error']}")
-        return ckpt.root
-
-    if not async_save:
-        return _finished(finish())
-    future: Future = Future()
-
-    def run():
-        try:
-            future.set_result(finish())
-        except BaseException as e:  # surfaced by wait()
-            future.set_exception(e)
-
-    threading.Thread(target=run, name="bcp-async-save", daemon=False).start()
-    return SaveHandle(ckpt.root, future)
-
-
-def _prepare_directory(ckpt: Storage) -> None:
-    """Make the directory and make sure an older checkpoint there can never pass as this one."""
-    ckpt.makedirs()
-    if ckpt.exists(METADATA_FILE):
-        ckpt.remove(METADATA_FILE)
-    ckpt.remove("data")
-
-
-def _build_metadata(gplan, reports, world_size, framework, user) -> CheckpointMetadata:
-    files: list[str] = []
-    file_index: dict[str, int] = {}
-    pieces: dict[str, list[Piece]] = {fqn: [] for fqn in gplan.tensor_info}
-    variant_tensors: dict[tuple[str, int], Piece] = {}
-    shards: dict[str, list[ObjectPiece]] = {fqn: [] for fqn in gplan.sharded_grids}
-    for rank, rep in enumerate(reports):
-        for key, file, byte_offset, nbytes, crc in rep["pieces"]:
-            fi = file_index.setdefault(file, len(file_index))
-            if fi == len(files):
-                files.append(file)
-            if key[0] == "t":
-                _, fqn, offs, lens = key
-                pieces[fqn].append(Piece(tuple(offs), tuple(lens), fi, byte_offset, nbytes, tuple(crc), rank))
-            elif key[0] == "o":
-                _, fqn, index = key
-                shards[fqn].append(ObjectPiece(tuple(index), fi, byte_offset, nbytes, tuple(crc), rank))
-            else:
-                _, fqn, vid = key
-                shape = gplan.per_rank[fqn]["variants"][vid]["tensor"][1]
-                variant_tensors[(fqn, vid)] = Piece((0,) * len(shape), tuple(shape), fi, byte_offset, nbytes,
-                                                    tuple(crc), rank)
-    tensors = {fqn: TensorMeta(dtype_from_name(dt), tuple(shape), tuple(sorted(pieces[fqn], key=lambda p: p.offsets)))
-               for fqn, (dt, shape) in sorted(gplan.tensor_info.items())}
-    per_rank = {}
-    for fqn, pr in sorted(gplan.per_rank.items()):
-        variants = []
-        for vid, v in enumerate(pr["variants"]):
-            if "tensor" in v:
-                dt, shape = v["tensor"]
-                variants.append(TensorMeta(dtype_from_name(dt), tuple(shape), (variant_tensors[(fqn, vid)],)))
-            else:
-                variants.append(ObjectValue(v["object"]))
-        per_rank[fqn] = PerRankMeta(tuple(pr["ranks"]), tuple(variants))
-    sharded = {fqn: ShardedObjectMeta(tuple(grid), tuple(sorted(shards[fqn], key=lambda p: p.index)))
-               for fqn, grid in sorted(gplan.sharded_grids.items())}
-    return CheckpointMetadata(world_size=world_size, framework=framework, files=tuple(files), tensors=tensors,
-                              objects={k: ObjectValue(v) for k, v in sorted(gplan.objects.items())},
-                              per_rank=per_rank, user=user, sharded_objects=sharded)
+    return get_checkpointer(role).save(
+        path, state, framework, async_save, step=step, process_group=process_group, allow_pickle=allow_pickle,
+        fsync=fsync, num_threads=num_threads, user_metadata=user_metadata, on_commit=on_commit, timeout=timeout)
 
 
 # ----------------------------------------------------------------------------- resolve / inspect

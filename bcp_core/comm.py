@@ -20,11 +20,15 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 _GLOO_GROUPS: dict[tuple, Any] = {}
 
 
-def _gloo_group_for(group, timeout: timedelta):
-    """A gloo group with the same members as `group`, created once and reused."""
+def _gloo_group_for(group, timeout: timedelta, tag: str):
+    """A gloo group with the same members as `group`, created once per tag and reused.
+
+    Each tag (checkpointer role) gets its own group so that two roles saving at once never
+    interleave their collectives.
+    """
     ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else \
         tuple(range(dist.get_world_size()))
-    key = (ranks, timeout)
+    key = (ranks, timeout, tag)
     if key not in _GLOO_GROUPS:
         # new_group is collective over the default group: every rank reaches here in the same order
         # because save/load are collective.
@@ -35,11 +39,11 @@ def _gloo_group_for(group, timeout: timedelta):
 class Comm:
     """Object exchange for planning; rank 0 of the group is the coordinator."""
 
-    def __init__(self, group=None, timeout: timedelta = DEFAULT_TIMEOUT):
+    def __init__(self, group=None, timeout: timedelta = DEFAULT_TIMEOUT, tag: str = "default"):
         self.distributed = dist.is_available() and dist.is_initialized()
         self.collectives = 0  # number of collective calls made, for tests and metrics
         if self.distributed:
-            self.group = _gloo_group_for(group, timeout)
+            self.group = _gloo_group_for(group, timeout, tag)
             self.rank = dist.get_rank(self.group)
             self.world_size = dist.get_world_size(self.group)
         else:

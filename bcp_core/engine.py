@@ -49,16 +49,6 @@ class WrittenPiece:
     crc32: list[int]
 
 
-def stage(t: torch.Tensor, copy: bool) -> torch.Tensor:
-    """A CPU contiguous tensor with the bytes of `t`; a private copy when `copy` (async saves)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        return t.to("cpu").contiguous()
-    if copy:
-        return t.clone(memory_format=torch.contiguous_format)
-    return t.contiguous()
-
-
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")

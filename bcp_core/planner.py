@@ -16,7 +16,6 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -31,24 +30,31 @@ from .state import SaveLeaf
 
 @dataclass
 class LocalSavePlan:
-    """This rank's side of a save: the message for the coordinator and the data behind it."""
+    """This rank's side of a save.
 
-    message: dict
-    tensors: list[tuple[str, LocalTensor]]      # index matches message["tensors"]
-    per_rank_tensors: dict[str, torch.Tensor]
-    object_shards: list[bytes]                  # index matches message["sharded_objects"]
+    `structure` is what the coordinator plans from: keys, shapes, boxes, grid indices. It is the
+    same from save to save while the model's layout does not change, so its hash `key` indexes the
+    plan cache. `values` are what changes every save (non-tensor values, per-rank values, shard
+    digests); they travel with the write report instead of the plan.
+    """
+
+    structure: dict
+    key: str
+    tensors: list[tuple[str, LocalTensor]]      # index matches structure["tensors"]
+    per_rank_tensors: list[tuple[str, torch.Tensor]]
+    object_shards: list[bytes]                  # index matches structure["sharded_objects"]
+    values: dict
 
 
-def _digest(t: torch.Tensor) -> str:
-    t = t.detach().cpu().contiguous()
-    h = hashlib.blake2b(t.reshape(-1).view(torch.uint8).numpy().tobytes(), digest_size=16)
-    return h.hexdigest()
+def digest(data) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 def local_save_plan(leaves: list[SaveLeaf], rank: int, allow_pickle: bool) -> LocalSavePlan:
     tensors: list[tuple[str, LocalTensor]] = []
-    msg_tensors, objects, per_rank, msg_shards = [], {}, {}, []
-    per_rank_tensors, object_shards = {}, []
+    st_tensors, st_objects, st_per_rank, st_shards = [], [], [], []
+    per_rank_tensors, object_shards = [], []
+    objects, per_rank, shard_digests = {}, {}, []
     for leaf in leaves:
         v = leaf.value
         if isinstance(v, ObjectShard):
@@ -56,48 +62,54 @@ def local_save_plan(leaves: list[SaveLeaf], rank: int, allow_pickle: bool) -> Lo
                     not 0 <= i < g for i, g in zip(v.index, v.grid)):
                 raise PlanError(f"{leaf.fqn}: object shard index {v.index} does not lie in grid {v.grid}")
             data = json.dumps(codec.encode(v.value, leaf.fqn, allow_pickle), separators=(",", ":")).encode()
-            msg_shards.append([leaf.fqn, list(v.grid), list(v.index), len(data),
-                               hashlib.blake2b(data, digest_size=16).hexdigest()])
+            st_shards.append([leaf.fqn, list(v.grid), list(v.index)])
             object_shards.append(data)
+            shard_digests.append(digest(data))
         elif leaf.per_rank:
             if isinstance(v, torch.Tensor):
                 if v.__class__ is not torch.Tensor and not isinstance(v, torch.nn.Parameter):
                     raise PlanError(f"{leaf.fqn}: per-rank (extra_state) tensors must be plain tensors, "
                                     f"got {type(v).__name__}")
-                per_rank[leaf.fqn] = {"tensor": [dtype_name(v.dtype), list(v.shape), _digest(v)]}
-                per_rank_tensors[leaf.fqn] = v.detach()
+                st_per_rank.append([leaf.fqn, dtype_name(v.dtype), list(v.shape)])
+                per_rank_tensors.append((leaf.fqn, v.detach()))
             else:
-                per_rank[leaf.fqn] = {"object": codec.encode(v, leaf.fqn, allow_pickle)}
+                st_per_rank.append([leaf.fqn, None, None])
+                per_rank[leaf.fqn] = codec.encode(v, leaf.fqn, allow_pickle)
         elif is_tensor_like(v):
             lt = local_tensor(v)
             tensors.append((leaf.fqn, lt))
-            msg_tensors.append([leaf.fqn, dtype_name(lt.dtype), list(lt.global_shape),
-                                [[list(b.offsets), list(b.lengths)] for b in lt.boxes]])
+            st_tensors.append([leaf.fqn, dtype_name(lt.dtype), list(lt.global_shape),
+                               [[list(b.offsets), list(b.lengths)] for b in lt.boxes]])
         else:
             # replicated values: the coordinator's copy is saved; others only prove they have the key
-            objects[leaf.fqn] = codec.encode(v, leaf.fqn, allow_pickle) if rank == 0 else None
-    message = {"tensors": msg_tensors, "objects": objects, "per_rank": per_rank, "sharded_objects": msg_shards}
-    return LocalSavePlan(message, tensors, per_rank_tensors, object_shards)
+            st_objects.append(leaf.fqn)
+            if rank == 0:
+                objects[leaf.fqn] = codec.encode(v, leaf.fqn, allow_pickle)
+    structure = {"tensors": st_tensors, "objects": st_objects, "per_rank": st_per_rank,
+                 "sharded_objects": st_shards}
+    key = digest(json.dumps(structure, separators=(",", ":")).encode())
+    values = {"objects": objects, "per_rank": per_rank, "shard_digests": shard_digests}
+    return LocalSavePlan(structure, key, tensors, per_rank_tensors, object_shards, values)
 
 
 @dataclass
 class GlobalSavePlan:
-    """The coordinator's view: what each rank writes, and what the metadata will hold."""
+    """The coordinator's plan: what each rank writes, and the layout the metadata will describe."""
 
-    # per rank: {"write": [[ti, bi]...], "variants": [[fqn, vid]...], "shards": [i...]}
-    assignments: list[dict]
+    assignments: list[dict]                        # per rank: {"write": [[ti, bi]...], "shards": [i...]}
     tensor_info: dict[str, tuple[str, list[int]]]  # fqn -> (dtype name, global shape)
-    objects: dict[str, Any]
-    per_rank: dict[str, dict]  # fqn -> {"ranks": [...], "variants": [{"object"} or {"tensor": [dt, shape]}]}
+    object_keys: list[str]
+    per_rank: dict[str, str]                       # fqn -> "tensor" or "object"
+    sharded_grids: dict[str, list[int]]            # fqn -> grid of each sharded object
+    shard_holders: dict[tuple, list[tuple[int, int]]]  # (fqn, index) -> [(rank, local shard i)]
     bytes_per_rank: list[int]
-    sharded_grids: dict[str, list[int]]          # fqn -> grid of each sharded object
 
 
-def global_save_plan(plans: list[dict]) -> GlobalSavePlan:
-    world = len(plans)
+def global_save_plan(structures: list[dict]) -> GlobalSavePlan:
+    world = len(structures)
     tensor_info: dict[str, tuple[str, list[int], int]] = {}   # fqn -> dtype, shape, first rank
     holders: dict[tuple, list[tuple[int, int, int]]] = {}   # (fqn, offs, lens) -> [(rank, ti, bi)]
-    for r, plan in enumerate(plans):
+    for r, plan in enumerate(structures):
         for ti, (fqn, dt, shape, boxes) in enumerate(plan["tensors"]):
             seen = tensor_info.setdefault(fqn, (dt, shape, r))
             if (seen[0], seen[1]) != (dt, shape):
@@ -110,7 +122,7 @@ def global_save_plan(plans: list[dict]) -> GlobalSavePlan:
     # Worst-fit: boxes held by one rank are fixed; replicated boxes go, largest first, to the
     # holder with the fewest bytes so far (ties: lowest rank).
     load = [0] * world
-    assignments: list[dict] = [{"write": [], "variants": [], "shards": []} for _ in range(world)]
+    assignments: list[dict] = [{"write": [], "shards": []} for _ in range(world)]
     replicated = []
     for key, hs in holders.items():
         nbytes = math.prod(key[2]) * element_size(dtype_from_name(tensor_info[key[0]][0]))
@@ -127,55 +139,32 @@ def global_save_plan(plans: list[dict]) -> GlobalSavePlan:
         assignments[r]["write"].append([ti, bi])
 
     grids: dict[str, list[int]] = {}
-    shard_holders: dict[tuple, list[tuple[int, int, int, str]]] = {}
-    for r, plan in enumerate(plans):
-        for i, (fqn, grid, index, nbytes, digest) in enumerate(plan["sharded_objects"]):
+    shard_holders: dict[tuple, list[tuple[int, int]]] = {}
+    for r, plan in enumerate(structures):
+        for i, (fqn, grid, index) in enumerate(plan["sharded_objects"]):
             if grids.setdefault(fqn, grid) != grid:
                 raise PlanError(f"sharded object {fqn!r}: ranks disagree on its grid ({grids[fqn]} vs {grid} "
                                 f"on rank {r})")
-            hs = shard_holders.setdefault((fqn, tuple(index)), [])
-            if hs and hs[0][3] != digest:
-                raise PlanError(f"sharded object {fqn!r} index {index}: rank {hs[0][0]} and rank {r} hold "
-                                "different values for the same shard")
-            hs.append((r, i, nbytes, digest))
-    for hs in sorted(shard_holders.values(), key=lambda hs: -hs[0][2]):
-        r, i, nbytes, _ = min(hs, key=lambda h: (load[h[0]], h[0]))
-        load[r] += nbytes
+            shard_holders.setdefault((fqn, tuple(index)), []).append((r, i))
+    for hs in shard_holders.values():  # shards are small: spread them by count
+        r, i = min(hs, key=lambda h: (len(assignments[h[0]]["shards"]), h[0]))
         assignments[r]["shards"].append(i)
 
-    objects = dict(plans[0]["objects"])
-    for r, plan in enumerate(plans[1:], start=1):
-        extra = set(plan["objects"]) - set(objects)
+    object_keys = list(structures[0]["objects"])
+    for r, plan in enumerate(structures[1:], start=1):
+        extra = set(plan["objects"]) - set(object_keys)
         if extra:
-            raise PlanError(f"non-tensor value {sorted(extra)[0]!r} exists on rank {r} but not on rank 0; "
+            raise PlanError(f"non-tensor value {min(extra)!r} exists on rank {r} but not on rank 0; "
                             "values that differ per rank belong under 'extra_state'")
-
-    per_rank: dict[str, dict] = {}
-    for r, plan in enumerate(plans):
-        for fqn, entry in plan["per_rank"].items():
-            pr = per_rank.setdefault(fqn, {"ranks": [None] * world, "variants": [], "_ids": {}})
-            ident = repr(entry)
-            vid = pr["_ids"].get(ident)
-            if vid is None:
-                vid = pr["_ids"][ident] = len(pr["variants"])
-                if "tensor" in entry:
-                    dt, shape, _ = entry["tensor"]
-                    pr["variants"].append({"tensor": [dt, shape]})
-                    assignments[r]["variants"].append([fqn, vid])
-                    load[r] += math.prod(shape) * element_size(dtype_from_name(dt))
-                else:
-                    pr["variants"].append(entry)
-            pr["ranks"][r] = vid
-    for pr in per_rank.values():
-        del pr["_ids"]
-        missing = [r for r, v in enumerate(pr["ranks"]) if v is None]
-        if missing:
-            # A rank without the value gets rank 0's on load; record it explicitly.
-            first = next(v for v in pr["ranks"] if v is not None)
-            for r in missing:
-                pr["ranks"][r] = first
+    per_rank: dict[str, str] = {}
+    for r, plan in enumerate(structures):
+        for fqn, dt, _ in plan["per_rank"]:
+            kind = "object" if dt is None else "tensor"
+            if per_rank.setdefault(fqn, kind) != kind:
+                raise PlanError(f"per-rank value {fqn!r} is a {kind} on rank {r} but a {per_rank[fqn]} on "
+                                "another rank")
     info = {k: (v[0], v[1]) for k, v in tensor_info.items()}
-    return GlobalSavePlan(assignments, info, objects, per_rank, load, grids)
+    return GlobalSavePlan(assignments, info, object_keys, per_rank, grids, shard_holders, load)
 
 
 def _check_coverage(tensor_info, holders) -> None:

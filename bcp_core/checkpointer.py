@@ -1,0 +1,447 @@
+"""The save pipeline: plan (cached) -> stage -> write -> commit, synchronous or in the background.
+
+One `Checkpointer` per role (e.g. actor / critic / reference in RL post-training) owns its plan
+cache, staging pool, background worker and gloo group, so several can live in one process.
+
+Ordering rule that keeps ranks in lock-step without extra barriers: every collective of a role
+runs either on the caller's thread while nothing is in flight (planning), or on the role's single
+background worker in submission order (commits). A cache hit needs no planning collective, so an
+asynchronous save of an unchanged structure only copies into a staging buffer and queues its
+commit; a cache miss first drains the queue.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+
+from .comm import DEFAULT_TIMEOUT, Comm
+from .engine import WriteItem, write_items
+from .errors import BCPError, SaveError
+from .metadata import (CHECKSUM_BLOCK_BYTES, METADATA_FILE, TRACKER_FILE, CheckpointMetadata, ObjectPiece,
+                       ObjectValue, PerRankMeta, Piece, ShardedObjectMeta, TensorMeta, dtype_from_name,
+                       dtype_name)
+from .planner import GlobalSavePlan, LocalSavePlan, digest, global_save_plan, local_save_plan
+from .state import resolve_framework, save_leaves
+from .storage import Storage, storage_for
+
+log = logging.getLogger("bcp")
+
+STEP_DIR = "step_{:08d}"
+PLAN_CACHE_SIZE = 4
+
+
+class SaveHandle:
+    """Result of `save`. `wait()` returns once the checkpoint is durable and committed."""
+
+    def __init__(self, path: str, future: Future):
+        self.path = path
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until committed; re-raise the save's error if it failed. Returns the checkpoint path."""
+        self._future.result(timeout)
+        return self.path
+
+
+@dataclass
+class CachedPlan:
+    assignment: dict                      # this rank's {"write": [[ti, bi]], "shards": [i]}
+    gplan: GlobalSavePlan | None = None   # coordinator only
+    rank_keys: list[str] = field(default_factory=list)  # coordinator only: each rank's structure key
+
+
+@dataclass
+class _Job:
+    """Everything a save's write + commit needs, detached from the live state."""
+
+    ckpt: Storage
+    root: Storage
+    tracker_name: str
+    plan: LocalSavePlan
+    cached: CachedPlan
+    items: list[WriteItem]
+    framework: str
+    user_metadata: dict
+    num_threads: int
+    on_commit: Callable[[str], None] | None
+    slot: tuple | None = None
+
+
+class StagingPool:
+    """Host buffers reused across asynchronous saves: two slots (ping-pong) for the current plan.
+
+    Save k+1 stages into one slot while save k still writes from the other. Buffers are pinned
+    when the source lives on an accelerator, so device-to-host copies run asynchronously.
+    """
+
+    def __init__(self):
+        self._key: str | None = None
+        self._slots: list[list[torch.Tensor] | None] = [None, None]
+        self._busy = [False, False]
+        self._lock = threading.Lock()
+
+    def acquire(self, key: str, sources: list[torch.Tensor]) -> tuple[int, list[torch.Tensor]] | None:
+        with self._lock:
+            if key != self._key:  # the layout changed: drop buffers of the old plan (none is busy then)
+                self._key, self._slots, self._busy = key, [None, None], [False, False]
+            for i in (0, 1):
+                if not self._busy[i]:
+                    if self._slots[i] is None:
+                        self._slots[i] = [_host_buffer(s) for s in sources]
+                    self._busy[i] = True
+                    return i, self._slots[i]
+            return None
+
+    def release(self, key: str, slot: int) -> None:
+        with self._lock:
+            if key == self._key:
+                self._busy[slot] = False
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for slot in self._slots if slot for b in slot)
+
+
+def _host_buffer(src: torch.Tensor) -> torch.Tensor:
+    pin = src.device.type == "cuda" and torch.cuda.is_available()
+    return torch.empty(tuple(src.shape), dtype=src.dtype, pin_memory=pin)
+
+
+class Checkpointer:
+    """Saves for one role. Use `bcp_core.save(..., role=...)`, which keeps one per role."""
+
+    def __init__(self, role: str = "default"):
+        self.role = role
+        self._plans: OrderedDict[str, CachedPlan] = OrderedDict()
+        self._pool = StagingPool()
+        self._worker: ThreadPoolExecutor | None = None
+        self._pending: deque[tuple[SaveHandle, _Job]] = deque()
+        self._comms: dict = {}
+        self.stats = {"plans": 0, "cache_hits": 0}
+
+    # -- public ------------------------------------------------------------------------------------
+
+    def save(self, path, state: dict, framework: str = "auto", async_save: bool = False, *,
+             step: int | None = None, process_group=None, allow_pickle: bool = False, fsync: bool = True,
+             num_threads: int = 4, user_metadata: dict | None = None,
+             on_commit: Callable[[str], None] | None = None,
+             timeout: timedelta = DEFAULT_TIMEOUT) -> SaveHandle:
+        self._raise_background_errors()
+        root = storage_for(path, fsync=fsync)
+        name = STEP_DIR.format(step) if step is not None else ""
+        ckpt = root.child(name) if name else root
+        adapter = resolve_framework(state, framework)
+        comm = self._comm(process_group, timeout)
+
+        try:
+            plan = local_save_plan(save_leaves(state, adapter), comm.rank, allow_pickle)
+            error = None
+        except Exception as e:  # noqa: BLE001 - sent to the coordinator so every rank raises
+            plan, error = None, f"rank {comm.rank}: {type(e).__name__}: {e}"
+        cached = self._plans.get(plan.key) if plan is not None else None
+        if cached is None or not async_save:
+            self.wait_all()  # planning and synchronous commits must not interleave with queued commits
+        if cached is None:
+            cached = self._plan(comm, ckpt, plan, error)
+        else:
+            self._plans.move_to_end(plan.key)
+            self.stats["cache_hits"] += 1
+            if comm.is_coordinator:
+                _invalidate(ckpt)
+        job = _Job(ckpt, root, name, plan, cached, [], adapter.name if framework == "auto" else framework,
+                   user_metadata or {}, num_threads, on_commit)
+        if not async_save:
+            job.items = _items(plan, cached.assignment, None)
+            future: Future = Future()
+            try:
+                future.set_result(self._finish(comm, job))
+            except BaseException as e:
+                future.set_exception(e)
+                raise
+            return SaveHandle(ckpt.root, future)
+        job.items, job.slot = self._stage(plan, cached.assignment)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"bcp-save-{self.role}")
+        handle = SaveHandle(ckpt.root, self._worker.submit(self._finish, comm, job))
+        self._pending.append((handle, job))
+        return handle
+
+    def wait_all(self) -> None:
+        """Wait for every queued save; errors are left on the handles (and raised by the next save)."""
+        for handle, _ in list(self._pending):
+            try:
+                handle.wait()
+            except BaseException:  # noqa: BLE001 - reported by _raise_background_errors / handle.wait
+                pass
+
+    # -- pipeline ----------------------------------------------------------------------------------
+
+    def _comm(self, process_group, timeout) -> Comm:
+        key = (id(process_group), timeout)
+        if key not in self._comms:
+            self._comms[key] = Comm(process_group, timeout, tag=self.role)
+        return self._comms[key]
+
+    def _plan(self, comm: Comm, ckpt: Storage, plan: LocalSavePlan | None, error: str | None) -> CachedPlan:
+        msg = {"kind": "plan", "error": error} if plan is None else \
+            {"kind": "plan", "key": plan.key, "structure": plan.structure}
+        msgs = comm.gather(msg)
+        reply: dict = {}
+        gplan = None
+        if comm.is_coordinator:
+            try:
+                kinds = {m["kind"] for m in msgs}
+                if kinds != {"plan"}:
+                    late = [r for r, m in enumerate(msgs) if m["kind"] != "plan"]
+                    raise SaveError(f"ranks {late} reused a cached plan while others re-planned: the state's "
+                                    "structure changed on some ranks only")
+                errors = [m["error"] for m in msgs if m.get("error")]
+                if errors:
+                    raise SaveError("; ".join(errors))
+                gplan = global_save_plan([m["structure"] for m in msgs])
+                _invalidate(ckpt)
+                ckpt.makedirs()
+                reply = {"kind": "plan", "assignments": gplan.assignments}
+            except Exception as e:  # noqa: BLE001 - broadcast so that every rank raises
+                reply = {"kind": "plan", "error": str(e) if isinstance(e, BCPError) else f"{type(e).__name__}: {e}"}
+        reply = comm.broadcast(reply)
+        if reply.get("kind") != "plan":
+            raise SaveError(f"save to {ckpt.root}: this rank re-planned while others reused a cached plan "
+                            "(the state's structure changed on some ranks only)")
+        if "error" in reply:
+            raise SaveError(f"save to {ckpt.root} planned nothing: {reply['error']}")
+        self.stats["plans"] += 1
+        cached = CachedPlan(reply["assignments"][comm.rank], gplan,
+                            [m["key"] for m in msgs] if comm.is_coordinator else [])
+        self._plans[plan.key] = cached
+        while len(self._plans) > PLAN_CACHE_SIZE:
+            self._plans.popitem(last=False)
+        return cached
+
+    def _stage(self, plan: LocalSavePlan, assignment: dict):
+        """Copy what this rank writes into reused host buffers: the only part of an async save that stalls."""
+        sources = [plan.tensors[ti][1].boxes[bi].view for ti, bi in assignment["write"]]
+        got = self._pool.acquire(plan.key, sources)
+        while got is None:  # both slots in flight: wait for the oldest save
+            handle, _ = self._pending[0]
+            try:
+                handle.wait()
+            except BaseException:  # noqa: BLE001 - surfaces on the next save
+                pass
+            self._pending.popleft()
+            got = self._pool.acquire(plan.key, sources)
+        slot, buffers = got
+        cuda = False
+        with torch.no_grad():
+            for buf, src in zip(buffers, sources):
+                cuda |= src.device.type == "cuda"
+                buf.copy_(src.detach(), non_blocking=src.device.type == "cuda")
+        if cuda:
+            torch.cuda.current_stream().synchronize()
+        per_rank = [(fqn, t.to("cpu", copy=True)) for fqn, t in plan.per_rank_tensors]
+        return _items(plan, assignment, buffers, per_rank), (plan.key, slot)
+
+    def _finish(self, comm: Comm, job: _Job) -> str:
+        """Write this rank's pieces, then commit on the coordinator once every rank reported."""
+        plan = job.plan
+        try:
+            written = write_items(job.ckpt, comm.rank, job.items, job.num_threads, CHECKSUM_BLOCK_BYTES)
+            per_rank = dict(plan.values["per_rank"])
+            for it in job.items:
+                if it.key[0] == "v":
+                    per_rank[it.key[1]] = [dtype_name(it.tensor.dtype), list(it.tensor.shape),
+                                           _tensor_digest(it.tensor)]
+            report = {"kind": "report", "key": plan.key, "objects": plan.values["objects"], "per_rank": per_rank,
+                      "shard_digests": plan.values["shard_digests"],
+                      "pieces": [[w.key, w.file, w.byte_offset, w.nbytes, w.crc32] for w in written]}
+        except Exception as e:  # noqa: BLE001 - reported to the coordinator
+            report = {"kind": "report", "error": f"rank {comm.rank}: {type(e).__name__}: {e}"}
+        finally:
+            if job.slot is not None:
+                self._pool.release(*job.slot)
+        reports = comm.gather(report)
+        status: dict = {}
+        if comm.is_coordinator:
+            try:
+                md = _commit_metadata(job, reports, comm.world_size)
+                _remove_stale_files(job.ckpt, md)
+                job.ckpt.write_atomic(METADATA_FILE, md.dumps())
+                if job.tracker_name:
+                    job.root.write_atomic(TRACKER_FILE, job.tracker_name.encode())
+                status = {"kind": "report", "ok": True}
+            except Exception as e:  # noqa: BLE001 - broadcast so that every rank raises
+                status = {"kind": "report", "error": str(e) if isinstance(e, BCPError) else f"{type(e).__name__}: {e}"}
+        status = comm.broadcast(status)
+        if status.get("kind") != "report":
+            raise SaveError(f"save to {job.ckpt.root}: this rank reused a cached plan while others re-planned "
+                            "(the state's structure changed on some ranks only)")
+        if "error" in status:
+            raise SaveError(f"save to {job.ckpt.root} failed and was not committed: {status['error']}")
+        if job.on_commit is not None:
+            job.on_commit(job.ckpt.root)
+        return job.ckpt.root
+
+    def _raise_background_errors(self) -> None:
+        while self._pending and self._pending[0][0].done():
+            handle, _ = self._pending.popleft()
+            exc = handle._future.exception()
+            if exc is not None:
+                raise SaveError(f"an earlier asynchronous save to {handle.path} failed: {exc}") from exc
+
+
+def _items(plan: LocalSavePlan, assignment: dict, buffers: list[torch.Tensor] | None,
+           per_rank: list[tuple[str, torch.Tensor]] | None = None) -> list[WriteItem]:
+    """The pieces this rank writes: its assigned boxes (from `buffers` if staged), shards, per-rank tensors."""
+    items = []
+    for n, (ti, bi) in enumerate(assignment["write"]):
+        fqn, lt = plan.tensors[ti]
+        box = lt.boxes[bi]
+        data = buffers[n] if buffers is not None else _contiguous_cpu(box.view)
+        items.append(WriteItem(f"{fqn}@{','.join(map(str, box.offsets))}", data,
+                               ["t", fqn, list(box.offsets), list(box.lengths)]))
+    for i in assignment["shards"]:
+        fqn, _, index = plan.structure["sharded_objects"][i]
+        raw = plan.object_shards[i]
+        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        items.append(WriteItem(f"{fqn}@{','.join(map(str, index))}", data, ["o", fqn, index]))
+    # Each rank writes its own per-rank tensors (RNG states: small); identical ones share one
+    # piece in the metadata.
+    for fqn, t in per_rank if per_rank is not None else plan.per_rank_tensors:
+        items.append(WriteItem(f"{fqn}#r", _contiguous_cpu(t), ["v", fqn]))
+    return items
+
+
+def _contiguous_cpu(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return (t.to("cpu") if t.device.type != "cpu" else t).contiguous()
+
+
+def _tensor_digest(t: torch.Tensor) -> str:
+    return digest(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+
+def _invalidate(ckpt: Storage) -> None:
+    """An older checkpoint at this path must never pass for this one: drop its metadata first."""
+    if ckpt.exists(METADATA_FILE):
+        ckpt.remove(METADATA_FILE)
+
+
+def _remove_stale_files(ckpt: Storage, md: CheckpointMetadata) -> None:
+    """Data files of an older save at the same path that this save did not rewrite."""
+    keep = {f.split("/", 1)[1] for f in md.files}
+    for name in ckpt.listdir("data"):
+        if name not in keep:
+            ckpt.remove(f"data/{name}")
+
+
+def _commit_metadata(job: _Job, reports: list[dict], world_size: int) -> CheckpointMetadata:
+    errors = [r["error"] for r in reports if r.get("error")]
+    if errors:
+        raise SaveError("; ".join(errors))
+    cached = job.cached
+    gplan = cached.gplan
+    replanned = [r for r, rep in enumerate(reports) if rep["kind"] != "report"]
+    if replanned:
+        raise SaveError(f"ranks {replanned} re-planned while others reused a cached plan: the state's structure "
+                        "changed on some ranks only")
+    changed = [r for r, rep in enumerate(reports) if rep["key"] != cached.rank_keys[r]]
+    if changed:
+        raise SaveError(f"ranks {changed} saved a state whose structure differs from the plan")
+
+    files: list[str] = []
+    file_index: dict[str, int] = {}
+    pieces: dict[str, list[Piece]] = {fqn: [] for fqn in gplan.tensor_info}
+    shards: dict[str, list[ObjectPiece]] = {fqn: [] for fqn in gplan.sharded_grids}
+    rank_tensor: dict[tuple[str, int], Piece] = {}
+    for rank, rep in enumerate(reports):
+        for key, file, byte_offset, nbytes, crc in rep["pieces"]:
+            fi = file_index.setdefault(file, len(file_index))
+            if fi == len(files):
+                files.append(file)
+            if key[0] == "t":
+                _, fqn, offs, lens = key
+                pieces[fqn].append(Piece(tuple(offs), tuple(lens), fi, byte_offset, nbytes, tuple(crc), rank))
+            elif key[0] == "o":
+                _, fqn, index = key
+                shards[fqn].append(ObjectPiece(tuple(index), fi, byte_offset, nbytes, tuple(crc), rank))
+            else:
+                rank_tensor[(key[1], rank)] = Piece((), (), fi, byte_offset, nbytes, tuple(crc), rank)
+
+    for (fqn, index), holders in gplan.shard_holders.items():
+        digests = {reports[r]["shard_digests"][i] for r, i in holders}
+        if len(digests) > 1:
+            raise SaveError(f"sharded object {fqn!r} index {list(index)}: ranks {[r for r, _ in holders]} hold "
+                            "different values for the same shard")
+
+    per_rank: dict[str, PerRankMeta] = {}
+    for fqn, kind in sorted(gplan.per_rank.items()):
+        variants: list = []
+        ids: dict[str, int] = {}
+        ranks: list[int | None] = []
+        for rank, rep in enumerate(reports):
+            v = rep["per_rank"].get(fqn)
+            if v is None:
+                ranks.append(None)
+                continue
+            ident = f"{v[0]}{v[1]}{v[2]}" if kind == "tensor" else repr(v)
+            if ident not in ids:
+                ids[ident] = len(variants)
+                if kind == "tensor":
+                    p = rank_tensor[(fqn, rank)]
+                    shape = tuple(v[1])
+                    variants.append(TensorMeta(dtype_from_name(v[0]), shape, (Piece(
+                        (0,) * len(shape), shape, p.file, p.byte_offset, p.nbytes, p.crc32, rank),)))
+                else:
+                    variants.append(ObjectValue(v))
+            ranks.append(ids[ident])
+        first = next(r for r in ranks if r is not None)  # ranks without the value load rank 0's
+        per_rank[fqn] = PerRankMeta(tuple(first if r is None else r for r in ranks), tuple(variants))
+
+    tensors = {fqn: TensorMeta(dtype_from_name(dt), tuple(shape), tuple(sorted(pieces[fqn], key=lambda p: p.offsets)))
+               for fqn, (dt, shape) in sorted(gplan.tensor_info.items())}
+    sharded = {fqn: ShardedObjectMeta(tuple(grid), tuple(sorted(shards[fqn], key=lambda p: p.index)))
+               for fqn, grid in sorted(gplan.sharded_grids.items())}
+    objects = {k: ObjectValue(reports[0]["objects"][k]) for k in sorted(gplan.object_keys)}
+    return CheckpointMetadata(world_size=world_size, framework=job.framework, files=tuple(files), tensors=tensors,
+                              objects=objects, per_rank=per_rank, sharded_objects=sharded,
+                              user=job.user_metadata)
+
+
+# ----------------------------------------------------------------------------- registry
+
+_CHECKPOINTERS: dict[str, Checkpointer] = {}
+_LOCK = threading.Lock()
+
+
+def get_checkpointer(role: str = "default") -> Checkpointer:
+    if not isinstance(role, str) or not role:
+        raise BCPError(f"role must be a non-empty string, got {role!r}")
+    with _LOCK:
+        if role not in _CHECKPOINTERS:
+            _CHECKPOINTERS[role] = Checkpointer(role)
+        return _CHECKPOINTERS[role]
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    """Finish queued asynchronous saves before the interpreter exits; say so if one fails."""
+    for cp in list(_CHECKPOINTERS.values()):
+        for handle, _ in list(cp._pending):
+            if not handle.done():
+                log.warning("bcp: waiting for the asynchronous save to %s to finish before exit", handle.path)
+            try:
+                handle.wait()
+            except BaseException as e:  # noqa: BLE001
+                log.warning("bcp: the asynchronous save to %s failed and was not committed: %s", handle.path, e)
+
