@@ -45,13 +45,18 @@ class SaveHandle:
     def __init__(self, path: str, future: Future):
         self.path = path
         self._future = future
+        self._error_seen = False  # the caller got the error from wait(): the next save need not raise it
 
     def done(self) -> bool:
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> str:
         """Block until committed; re-raise the save's error if it failed. Returns the checkpoint path."""
-        self._future.result(timeout)
+        try:
+            self._future.result(timeout)
+        except BCPError:
+            self._error_seen = True
+            raise
         return self.path
 
 
@@ -180,10 +185,7 @@ class Checkpointer:
     def wait_all(self) -> None:
         """Wait for every queued save; errors are left on the handles (and raised by the next save)."""
         for handle, _ in list(self._pending):
-            try:
-                handle.wait()
-            except BaseException:  # noqa: BLE001 - reported by _raise_background_errors / handle.wait
-                pass
+            handle._future.exception()  # blocks; the error stays for wait() / the next save
 
     # -- pipeline ----------------------------------------------------------------------------------
 
@@ -234,12 +236,8 @@ class Checkpointer:
         sources = [plan.tensors[ti][1].boxes[bi].view for ti, bi in assignment["write"]]
         got = self._pool.acquire(plan.key, sources)
         while got is None:  # both slots in flight: wait for the oldest save
-            handle, _ = self._pending[0]
-            try:
-                handle.wait()
-            except BaseException:  # noqa: BLE001 - surfaces on the next save
-                pass
-            self._pending.popleft()
+            self._pending[0][0]._future.exception()  # blocks until the oldest save is done
+            self._raise_background_errors()
             got = self._pool.acquire(plan.key, sources)
         slot, buffers = got
         cuda = False
@@ -296,7 +294,7 @@ class Checkpointer:
         while self._pending and self._pending[0][0].done():
             handle, _ = self._pending.popleft()
             exc = handle._future.exception()
-            if exc is not None:
+            if exc is not None and not handle._error_seen:
                 raise SaveError(f"an earlier asynchronous save to {handle.path} failed: {exc}") from exc
 
 
@@ -440,8 +438,7 @@ def _flush_at_exit() -> None:
         for handle, _ in list(cp._pending):
             if not handle.done():
                 log.warning("bcp: waiting for the asynchronous save to %s to finish before exit", handle.path)
-            try:
-                handle.wait()
-            except BaseException as e:  # noqa: BLE001
-                log.warning("bcp: the asynchronous save to %s failed and was not committed: %s", handle.path, e)
+            exc = handle._future.exception()
+            if exc is not None and not handle._error_seen:
+                log.warning("bcp: the asynchronous save to %s failed and was not committed: %s", handle.path, exc)
 

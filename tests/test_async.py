@@ -1,0 +1,123 @@
+"""Asynchronous saves: values as of the call, plan cache, error propagation, flat memory, roles."""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+
+import pytest
+import torch
+
+import bcp_core as bcp
+from bcp_core import checkpointer as ckp
+from dist import run_ranks
+from layouts import assert_same, build, full_state, train
+
+
+def _async_scenarios(rank, world_size, root):
+    out = {}
+    model, optim = build("fsdp2")
+    train(model, optim, range(1))
+    cp = ckp.get_checkpointer("async-test")
+
+    # 1. Three back-to-back async saves while training mutates the parameters right after each
+    #    call: every checkpoint holds the values of its own call (ping-pong staging, FIFO commits).
+    snapshots, handles = [], []
+    for k in range(3):
+        snapshots.append(copy.deepcopy(full_state(model, optim)))
+        handles.append(bcp.save(os.path.join(root, "a"), {"model": model, "optimizer": optim}, step=k,
+                                async_save=True, role="async-test"))
+        train(model, optim, range(k + 1, k + 2))  # mutates in place while the save writes
+    for k, h in enumerate(handles):
+        h.wait()
+        fresh, fresh_opt = build("fsdp2", seed=99)
+        bcp.load(h.path, {"model": fresh, "optimizer": fresh_opt})
+        loaded = full_state(fresh, fresh_opt)
+        if rank == 0:
+            assert_same(snapshots[k], loaded, f"async save {k}")
+
+    # 2. Plan cache: the first save planned, the next two reused it with no planning collective.
+    out["plans"] = cp.stats["plans"]
+    out["hits"] = cp.stats["cache_hits"]
+    comm = next(iter(cp._comms.values()))
+    before = comm.collectives
+    bcp.save(os.path.join(root, "a"), {"model": model, "optimizer": optim}, step=10, role="async-test").wait()
+    out["collectives_cached_save"] = comm.collectives - before
+    # a structural change (a new key) invalidates the cached plan
+    bcp.save(os.path.join(root, "a"), {"model": model, "optimizer": optim, "extra": {"x": 1}}, step=11,
+             role="async-test").wait()
+    out["plans_after_change"] = cp.stats["plans"]
+
+    # 3. A write failure on rank 1: wait() raises on every rank, nothing is committed, the next
+    #    save goes through.
+    import bcp_core.checkpointer as mod
+    real = mod.write_items
+
+    def failing(storage, r, *a, **k):
+        if r == 1:
+            raise OSError(28, "No space left on device")
+        return real(storage, r, *a, **k)
+    mod.write_items = failing
+    h = bcp.save(os.path.join(root, "b"), {"model": model}, step=1, async_save=True, role="async-test")
+    with pytest.raises(bcp.SaveError, match=r"rank 1: OSError: \[Errno 28\] No space left on device"):
+        h.wait()
+    assert not os.path.exists(os.path.join(root, "b", "step_00000001", "bcp_metadata.json"))
+    # not waited on: surfaces at the next save of the role
+    h = bcp.save(os.path.join(root, "b"), {"model": model}, step=2, async_save=True, role="async-test")
+    while not h.done():
+        time.sleep(0.01)
+    mod.write_items = real
+    with pytest.raises(bcp.SaveError, match="an earlier asynchronous save .* failed"):
+        bcp.save(os.path.join(root, "b"), {"model": model}, step=3, role="async-test")
+    committed = []
+    bcp.save(os.path.join(root, "b"), {"model": model}, step=4, role="async-test",
+             on_commit=committed.append).wait()
+    assert committed == [os.path.join(root, "b", "step_00000004")]
+    assert open(os.path.join(root, "b", "latest")).read() == "step_00000004"
+    return out
+
+
+def test_async_saves_plan_cache_and_errors(tmp_path):
+    results = run_ranks(2, _async_scenarios, str(tmp_path))
+    for r in results:
+        assert r["plans"] == 1 and r["hits"] == 2          # 3 saves of one structure: 1 plan
+        assert r["collectives_cached_save"] == 2           # gather(report) + broadcast(commit) only
+        assert r["plans_after_change"] == 2
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_host_memory_stays_flat_over_20_async_saves(tmp_path):
+    """A leak of one copy per save would add 32 MiB each time; growth stays well below one copy."""
+    state = {"w": torch.randn(8 << 20)}  # 32 MiB
+    rss = []
+    for k in range(20):
+        state["w"].add_(1)
+        bcp.save(str(tmp_path), state, step=k, async_save=True, role="mem").wait()
+        rss.append(_rss_bytes())
+    cp = ckp.get_checkpointer("mem")
+    assert cp._pool.nbytes() <= 2 * (32 << 20)
+    assert rss[-1] - rss[3] < 16 << 20, [r >> 20 for r in rss]
+    out = {"w": torch.empty(8 << 20)}
+    bcp.load(str(tmp_path), out)
+    assert torch.equal(out["w"], state["w"])
+
+
+def test_roles_are_independent(tmp_path):
+    actor = {"w": torch.ones(1000)}
+    critic = {"w": torch.zeros(10), "v": torch.arange(3)}
+    h1 = bcp.save(str(tmp_path / "actor"), actor, step=1, async_save=True, role="actor")
+    h2 = bcp.save(str(tmp_path / "critic"), critic, step=1, async_save=True, role="critic")
+    actor["w"].mul_(5)  # after the call: not in the checkpoint
+    h1.wait(), h2.wait()
+    a, c = ckp.get_checkpointer("actor"), ckp.get_checkpointer("critic")
+    assert a is not c and a._plans.keys().isdisjoint(c._plans.keys())
+    out = {"w": torch.empty(1000)}
+    bcp.load(str(tmp_path / "actor"), out)
+    assert torch.equal(out["w"], torch.ones(1000))
+    with pytest.raises(bcp.BCPError, match="role must be a non-empty string"):
+        bcp.save(str(tmp_path / "x"), actor, role="")
