@@ -1,0 +1,212 @@
+"""The `bcp` command: inspect, verify, export, import, rename and manage checkpoints.
+
+Every PATH may be a local directory or a URL (s3://, gs://, hdfs://, memory://...).
+A PATH that is a checkpoint root (holding step_* directories) means its latest
+complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import tools
+from .errors import BCPError
+
+_EPILOG = """\
+examples:
+  bcp inspect ckpts/                         what is in the latest checkpoint under ckpts/
+  bcp verify s3://bucket/run1/step_00001000  check completeness and every checksum
+  bcp export ckpts/ hf_out --to hf --dtype bf16 --config my_model_dir
+  bcp import hf_model_dir ckpts/step_00000000 --from hf
+  bcp prune ckpts/ --keep-last 3 --keep-every 1000
+
+A PATH may be a local directory or any URL fsspec understands (s3://, gs://, hdfs://,
+...), or memory://NAME for checkpoints kept in RAM on this machine. A checkpoint root
+(a directory of step_* checkpoints) stands for its latest complete checkpoint.
+S3 endpoints and credentials come from the usual AWS variables or FSSPEC_S3_* (see
+docs/storage.md). Exit status: 0 success, 1 a fault was found (verify) or the
+operation failed, 2 bad usage.
+"""
+
+
+def _add_rename(p: argparse.ArgumentParser, flag: str = "--rename") -> None:
+    p.add_argument(flag, action="append", default=[], metavar="'REGEX=REPL'",
+                   help="rewrite keys with re.sub(REGEX, REPL, key); repeatable, applied in order "
+                        "(e.g. '^_orig_mod\\.=' or '^model\\.layers\\.=model.blocks.')")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bcp", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG,
+        description="Inspect, verify, convert and manage bcp checkpoints.")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("inspect", help="show tensors, shapes, pieces, ranks and values (reads metadata only)",
+                       description="Show what a checkpoint holds: every tensor with its global shape, dtype "
+                                   "and bytes, the saved pieces and the rank that wrote each, non-tensor "
+                                   "values, per-rank (extra state) and dataloader entries. Reads only the "
+                                   "JSON metadata; never unpickles anything.")
+    p.add_argument("path", metavar="PATH")
+    p.add_argument("--pieces", action="store_true", help="list every saved piece (box, rank, file, offset)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("verify", help="check completeness, framing and every checksum",
+                       description="Check that the checkpoint is complete (metadata present and valid, every "
+                                   "data file present and long enough, each piece where the file's header "
+                                   "says, no overlapping pieces) and that every CRC-32 block matches. Exits "
+                                   "1 and lists each fault (file, byte range, tensor) if anything is wrong.")
+    p.add_argument("path", metavar="PATH")
+    p.add_argument("--threads", type=int, default=4, help="parallel reads (default 4)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("export", help="merge into a Hugging Face directory or a torch.save file",
+                       description="Merge the saved shards into full tensors and write them as a Hugging Face "
+                                   "directory (sharded safetensors + model.safetensors.index.json) or one "
+                                   "torch.save file. Tensors are streamed in blocks of ~64 MiB, so memory "
+                                   "stays flat however large the model is.")
+    p.add_argument("path", metavar="PATH", help="checkpoint (or root) to export")
+    p.add_argument("out", metavar="OUT", help="output directory (hf) or file (torch)")
+    p.add_argument("--to", choices=["hf", "torch"], required=True, help="output format")
+    p.add_argument("--model-only", action="store_true",
+                   help="only keys under 'model.', with that prefix removed (always the case for --to hf "
+                        "when the checkpoint has such keys)")
+    p.add_argument("--dtype", help="cast floating-point tensors: bf16, fp16 or fp32")
+    _add_rename(p)
+    p.add_argument("--shard-size", default="5GB", help="largest safetensors file for --to hf (default 5GB)")
+    p.add_argument("--config", metavar="PATH",
+                   help="config.json, or a directory whose non-weight files (config, tokenizer) are copied "
+                        "into OUT so that from_pretrained(OUT) works")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="decode pickled values (only for --to torch without --model-only; runs code from "
+                        "the checkpoint: only for checkpoints you trust)")
+    p.add_argument("--threads", type=int, default=4, help="parallel reads (default 4)")
+
+    p = sub.add_parser("import", help="make a bcp checkpoint from a HF directory, a DCP checkpoint or a torch file",
+                       description="Build a bcp checkpoint from a Hugging Face safetensors directory (or file), "
+                                   "a PyTorch Distributed Checkpoint (DCP) directory, or a torch.save file, so "
+                                   "training can start from it at any world size. HF and torch inputs are "
+                                   "memory-mapped; torch files are read with weights_only=True. Reading a DCP "
+                                   "checkpoint unpickles its .metadata file (DCP's format): import only DCP "
+                                   "checkpoints you trust.")
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("out", metavar="OUT", help="checkpoint directory or URL to create")
+    p.add_argument("--from", dest="source", choices=["hf", "dcp", "torch"], required=True, help="input format")
+    p.add_argument("--prefix", default=None,
+                   help="top-level key to put the tensors under (default 'model' for hf/torch, so that "
+                        "bcp.load(OUT, {'model': model}) works; none for dcp, whose keys have theirs)")
+    _add_rename(p)
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="store values the safe codec cannot represent as pickles")
+
+    p = sub.add_parser("rename", help="rewrite keys in place (metadata only)",
+                       description="Rename keys by regular expression rules, rewriting only the metadata file "
+                                   "(atomically); data files are untouched. Optimizer param_groups follow the "
+                                   "renamed optimizer state keys.")
+    p.add_argument("path", metavar="PATH")
+    _add_rename(p, "--rule")
+    p.add_argument("--dry-run", action="store_true", help="print the renames without writing")
+
+    p = sub.add_parser("ls", help="list the checkpoints under a root, complete or not",
+                       description="List step_* checkpoints under ROOT, oldest first, marking incomplete "
+                                   "ones (saves that never committed) and the latest complete one.")
+    p.add_argument("root", metavar="ROOT")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("latest", help="print the path of the latest complete checkpoint",
+                       description="Print the checkpoint that bcp.load(ROOT) would use; exit 1 if none.")
+    p.add_argument("root", metavar="ROOT")
+
+    p = sub.add_parser("prune", help="delete old checkpoints",
+                       description="Delete complete checkpoints except the newest K, every step divisible by "
+                                   "N, and the latest; delete incomplete checkpoints older than the latest "
+                                   "(newer ones may be saves in progress and are kept).")
+    p.add_argument("root", metavar="ROOT")
+    p.add_argument("--keep-last", type=int, required=True, metavar="K")
+    p.add_argument("--keep-every", type=int, metavar="N", help="also keep steps that are multiples of N")
+    p.add_argument("--dry-run", action="store_true", help="show what would be deleted")
+    return parser
+
+
+def _print_json(obj) -> None:
+    print(json.dumps(obj, indent=2))
+
+
+def run(args: argparse.Namespace) -> int:
+    progress = not args.quiet
+    if args.command == "inspect":
+        rep = tools.inspect_checkpoint(args.path)
+        _print_json(rep) if args.json else print(tools.format_inspect(rep, args.pieces))
+        return 0
+    if args.command == "verify":
+        rep = tools.verify_checkpoint(args.path, args.threads, progress=progress and not args.json)
+        if args.json:
+            _print_json(rep)
+        else:
+            for f in rep["faults"]:
+                print(f"{'WARNING' if f['kind'] == 'stray-file' else 'FAULT'} [{f['kind']}] {f['where']}: "
+                      f"{f['detail']}")
+            status = "OK" if rep["ok"] else "FAILED"
+            print(f"{status}: {rep['path']}: {rep.get('pieces', 0)} pieces in {rep.get('files', 0)} files, "
+                  f"{tools.human_bytes(rep['checked_bytes'])} checked, "
+                  f"{sum(f['kind'] != 'stray-file' for f in rep['faults'])} fault(s)")
+        return 0 if rep["ok"] else 1
+    if args.command == "export":
+        rep = tools.export_checkpoint(args.path, args.out, args.to, args.model_only or None, args.dtype,
+                                      args.rename, args.shard_size, args.config, args.allow_pickle, args.threads,
+                                      progress)
+        print(f"exported {rep['tensors']} tensors ({tools.human_bytes(rep['bytes'])}) to {rep['out']}: "
+              + ", ".join(rep["files"][:6]) + (" ..." if len(rep["files"]) > 6 else ""))
+        return 0
+    if args.command == "import":
+        rep = tools.import_checkpoint(args.src, args.out, args.source, args.prefix, args.allow_pickle, args.rename)
+        print(f"imported {rep['tensors']} tensors ({tools.human_bytes(rep['bytes'])}) and {rep['values']} "
+              f"values into {rep['out']}")
+        return 0
+    if args.command == "rename":
+        if not args.rule:
+            raise tools.ToolError("give at least one --rule 'REGEX=REPL'")
+        changed = tools.rename_checkpoint(args.path, args.rule, args.dry_run)
+        for old, new in changed.items():
+            print(f"{old} -> {new}")
+        print(f"{len(changed)} key(s) {'would be ' if args.dry_run else ''}renamed")
+        return 0
+    if args.command == "ls":
+        ckpts = tools.list_checkpoints(args.root)
+        if args.json:
+            _print_json(ckpts)
+        else:
+            for c in ckpts:
+                state = "complete" if c["complete"] else "INCOMPLETE (never committed)"
+                mark = "  <- latest" if c["latest"] else ""
+                print(f"{c['name'] or c['path']:<16} {state}{mark}")
+            if not ckpts:
+                print(f"no checkpoints under {args.root}")
+        return 0
+    if args.command == "latest":
+        print(tools.latest_checkpoint(args.root))
+        return 0
+    if args.command == "prune":
+        rep = tools.prune_checkpoints(args.root, args.keep_last, args.keep_every, args.dry_run)
+        verb = "would remove" if args.dry_run else "removed"
+        print(f"{verb}: {', '.join(rep['removed']) or 'nothing'}; kept: {', '.join(rep['kept']) or 'nothing'}")
+        return 0
+    raise AssertionError(args.command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except (BCPError, OSError, ValueError) as e:
+        print(f"bcp {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"bcp {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
