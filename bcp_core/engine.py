@@ -91,33 +91,40 @@ def _split_files(items: list[WriteItem], num_files: int) -> list[list[WriteItem]
 
 def write_items(storage: Storage, rank: int, items: list[WriteItem], num_files: int,
                 block: int) -> list[WrittenPiece]:
-    """Write this rank's pieces into up to `num_files` files in parallel; report where each landed."""
+    """Write this rank's pieces into up to `num_files` files in parallel; report where each landed.
+
+    Checksums are computed on other threads while the writer threads copy bytes into the files,
+    so they cost CPU that would otherwise sit idle waiting for the device.
+    """
     if not items:
         return []
     bins = _split_files(items, num_files)
     storage.makedirs("data")
+    with ThreadPoolExecutor(len(bins), thread_name_prefix="bcp-crc") as crc_pool, \
+            ThreadPoolExecutor(len(bins), thread_name_prefix="bcp-write") as pool:
+        crcs = {id(it): crc_pool.submit(_crc_blocks, tensor_bytes(it.tensor), block) for it in items}
 
-    def write_file(k: int) -> list[WrittenPiece]:
-        rel = f"data/r{rank}_{k}.safetensors"
-        header = _header(bins[k])
-        writer = storage.open_writer(rel)
-        out = []
-        try:
-            writer.write(memoryview(header))
-            pos = len(header)
-            for it in bins[k]:
-                data = tensor_bytes(it.tensor)
-                writer.write(data)
-                out.append(WrittenPiece(it.key, rel, pos, len(data), _crc_blocks(data, block)))
-                pos += len(data)
-            writer.close()
-        except BaseException as e:
-            writer.abort()
-            raise StorageError(f"rank {rank}: writing {storage.join(rel)} failed: {e}") from e
-        return out
+        def write_file(k: int) -> list[tuple[WriteItem, str, int, int]]:
+            rel = f"data/r{rank}_{k}.safetensors"
+            header = _header(bins[k])
+            writer = storage.open_writer(rel)
+            placed = []
+            try:
+                writer.write(memoryview(header))
+                pos = len(header)
+                for it in bins[k]:
+                    data = tensor_bytes(it.tensor)
+                    writer.write(data)
+                    placed.append((it, rel, pos, len(data)))
+                    pos += len(data)
+                writer.close()
+            except BaseException as e:
+                writer.abort()
+                raise StorageError(f"rank {rank}: writing {storage.join(rel)} failed: {e}") from e
+            return placed
 
-    with ThreadPoolExecutor(len(bins), thread_name_prefix="bcp-write") as pool:
-        return [p for ps in pool.map(write_file, range(len(bins))) for p in ps]
+        placed = [p for ps in pool.map(write_file, range(len(bins))) for p in ps]
+        return [WrittenPiece(it.key, rel, pos, n, crcs[id(it)].result()) for it, rel, pos, n in placed]
 
 
 # ----------------------------------------------------------------------------- reading
