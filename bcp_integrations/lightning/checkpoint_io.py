@@ -1,0 +1,272 @@
+"""BCPCheckpointIO and the strategy mixin that makes it run on every rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from abc import ABC
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.strategies import (DDPStrategy, FSDPStrategy, ModelParallelStrategy,
+                                          SingleDeviceStrategy, Strategy)
+
+import bcp_core as bcp
+from bcp_core import codec
+
+# Keys of Lightning's checkpoint dict that bcp replaces with the live model and optimizers.
+_TENSOR_KEYS = ("state_dict", "optimizer_states")
+# Strategies whose `model` / `optimizers` bcp knows how to read on every rank.
+SUPPORTED_STRATEGIES = (DDPStrategy, ModelParallelStrategy, FSDPStrategy, SingleDeviceStrategy)
+
+
+class BCPCheckpointIO(CheckpointIO):
+    """Checkpoints written and read by bcp on every rank, sharded, asynchronous by default.
+
+    Args:
+        async_save: return from a save once the state is staged; the write continues in the
+            background. The next save, a removal of that path, a load and teardown wait for it.
+        allow_pickle: let values bcp's safe codec cannot represent (unusual ``hparams``) be
+            pickled; loading such a checkpoint then needs ``allow_pickle=True`` too.
+        save_rng: also save each rank's RNG states (torch, CUDA, ``random``, numpy) and restore
+            them on load, which Lightning's own checkpoints do not do.
+        num_threads: I/O threads per rank.
+    """
+
+    def __init__(self, async_save: bool = True, allow_pickle: bool = False, save_rng: bool = True,
+                 num_threads: int = 4):
+        self.async_save = async_save
+        self.allow_pickle = allow_pickle
+        self.save_rng = save_rng
+        self.num_threads = num_threads
+        self._pending: bcp.SaveHandle | None = None
+        self._pending_path: str | None = None
+        # Lightning's spawn launcher moves rank 0's results to the main process through the
+        # CheckpointIO as a single file; those direct calls stay plain torch files.
+        self._files = TorchCheckpointIO()
+
+    # -- the CheckpointIO interface, for calls that do not come through a bound strategy --------
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        self._files.save_checkpoint(checkpoint, path, storage_options)
+
+    def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
+        if _is_bcp_checkpoint(path):
+            raise RuntimeError(f"{path} is a bcp checkpoint: load it through a Trainer whose strategy has "
+                               "BCPCheckpointIO (fit(ckpt_path=...)), or with bcp_core.load")
+        return self._files.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+    def remove_checkpoint(self, path) -> None:
+        if self._pending_path is not None and os.fspath(path) == self._pending_path:
+            self.wait()
+        fs = get_filesystem(path)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+
+    def teardown(self) -> None:
+        self.wait()
+
+    # -- bcp on every rank (called by BCPStrategyMixin) -----------------------------------------
+
+    def wait(self) -> None:
+        """Block until the save in flight, if any, is durable and committed; re-raise its error."""
+        handle, self._pending, self._pending_path = self._pending, None, None
+        if handle is not None:
+            handle.wait()
+
+    def save_all_ranks(self, strategy: Strategy, checkpoint: dict[str, Any], path, storage_options=None) -> None:
+        if storage_options is not None:
+            raise TypeError("BCPCheckpointIO does not take storage_options: pass a URL that fsspec "
+                            "understands (s3://, gs://, ...) as the checkpoint path instead")
+        self.wait()  # one save in flight at a time; also makes re-saving to the same path safe
+        state: dict[str, Any] = {"model": strategy.model}
+        if "optimizer_states" in checkpoint:  # absent for save_weights_only
+            for i, opt in enumerate(strategy.optimizers):
+                state[f"optimizer_{i}"] = opt
+        rest = {k: v for k, v in checkpoint.items() if k not in _TENSOR_KEYS}
+        try:
+            encoded = codec.encode(_plain(rest), "Lightning checkpoint", self.allow_pickle)
+        except bcp.UnsupportedValueError as e:
+            raise bcp.UnsupportedValueError(f"{e}. Values outside bcp's safe codec (often in hparams) need "
+                                            "BCPCheckpointIO(allow_pickle=True)") from e
+        # One opaque value: Lightning's keys (callback names) contain dots, which bcp uses as separators.
+        state["lightning"] = json.dumps(encoded)
+        if self.save_rng:
+            state["extra_state"] = {"rng": _rng_state()}
+        handle = bcp.save(path, state, async_save=self.async_save, allow_pickle=self.allow_pickle,
+                          num_threads=self.num_threads)
+        if self.async_save:
+            self._pending, self._pending_path = handle, os.fspath(path)
+
+    def load_all_ranks(self, strategy: Strategy, path) -> dict[str, Any]:
+        self.wait()
+        keys = bcp.inspect(path).keys()
+        state: dict[str, Any] = {"model": strategy.model, "lightning": None}
+        has_optimizers = any(k.startswith("optimizer_0.") for k in keys)
+        if has_optimizers:
+            for i, opt in enumerate(strategy.optimizers):
+                state[f"optimizer_{i}"] = opt
+        if "extra_state.rng.torch" in keys:
+            state["extra_state"] = {}
+        bcp.load(path, state, allow_pickle=self.allow_pickle, num_threads=self.num_threads)
+        checkpoint = codec.decode(json.loads(state["lightning"]), "Lightning checkpoint", self.allow_pickle)
+        # The model and optimizers are already in place; Lightning's own restore of them is disabled
+        # by the mixin, but user hooks (on_load_checkpoint) may look for the keys.
+        checkpoint["state_dict"] = {}
+        if has_optimizers:
+            checkpoint["optimizer_states"] = []
+        if self.save_rng and "extra_state" in state:
+            _set_rng_state(state["extra_state"]["rng"])
+        return checkpoint
+
+
+# Deriving from ABC (as Lightning's strategies do) keeps the mixed class's object layout equal to the
+# strategy's, which `bcp_strategy` needs to switch the class of an existing strategy object.
+class BCPStrategyMixin(ABC):
+    """Put in front of a Lightning strategy class: checkpoints go through bcp on every rank.
+
+    The strategy's ``checkpoint_io`` must be a ``BCPCheckpointIO`` (a default one is created if
+    not). Model and optimizer state never pass through Lightning's checkpoint dict: bcp reads the
+    live (DDP / FSDP2 / TP / FSDP1) modules and optimizers and writes each rank's shards, so nothing
+    is gathered. Restoring happens after the strategy's setup, into the live objects, at any world
+    size or strategy.
+    """
+
+    @property
+    def bcp_io(self) -> BCPCheckpointIO:
+        io = self.checkpoint_io
+        if not isinstance(io, BCPCheckpointIO):
+            io = BCPCheckpointIO()
+            self.checkpoint_io = io
+        return io
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # load into wrapped/sharded modules and existing optimizers
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # bcp restored the optimizers in load_checkpoint
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # nothing to gather: bcp reads the live module in save_checkpoint
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        return {}
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        pass  # done by bcp in load_checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        pass
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
+        self.bcp_io.save_all_ranks(self, checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict[str, Any]:
+        return self.bcp_io.load_all_ranks(self, checkpoint_path)
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.is_global_zero:
+            self.bcp_io.remove_checkpoint(filepath)
+
+    def teardown(self) -> None:
+        # FSDPStrategy and ModelParallelStrategy do not call checkpoint_io.teardown themselves.
+        self.bcp_io.wait()
+        super().teardown()
+
+
+_MIXED: dict[type, type] = {}
+
+
+def bcp_strategy(strategy: Strategy) -> Strategy:
+    """Switch `strategy` (an instance) to save and load through bcp on every rank; returns it."""
+    if isinstance(strategy, BCPStrategyMixin):
+        return strategy
+    if not isinstance(strategy, SUPPORTED_STRATEGIES):
+        names = ", ".join(c.__name__ for c in SUPPORTED_STRATEGIES)
+        raise TypeError(f"BCPCheckpointIO supports the strategies {names} (and their subclasses), "
+                        f"not {type(strategy).__name__}")
+    cls = type(strategy)
+    if cls not in _MIXED:
+        _MIXED[cls] = type(f"BCP{cls.__name__}", (BCPStrategyMixin, cls),
+                           {"__module__": __name__})
+    strategy.__class__ = _MIXED[cls]
+    return strategy
+
+
+def _install_binding() -> None:
+    """Make assigning a BCPCheckpointIO to a strategy switch that strategy to bcp (see package doc)."""
+    prop = Strategy.__dict__["checkpoint_io"]
+    if getattr(prop.fset, "_bcp_binding", False):
+        return
+
+    def fset(self, io):
+        prop.fset(self, io)
+        if isinstance(io, BCPCheckpointIO):
+            bcp_strategy(self)
+
+    fset._bcp_binding = True
+    Strategy.checkpoint_io = property(prop.fget, fset, prop.fdel, prop.__doc__)
+
+
+_install_binding()
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _is_bcp_checkpoint(path) -> bool:
+    try:
+        bcp.resolve(path)
+        return True
+    except bcp.BCPError:
+        return False
+
+
+def _plain(value: Any) -> Any:
+    """Mapping subclasses (AttributeDict, OrderedDict) as dicts, so the safe codec takes them."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    try:
+        import numpy as np
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = {"kind": kind, "keys": keys, "pos": int(pos), "has_gauss": int(has_gauss),
+                          "gauss": float(gauss)}
+    except ImportError:
+        pass
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(_tuples(state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+        n = state["numpy"]
+        np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
+                             n["gauss"]))
+
+
+def _tuples(v: Any) -> Any:
+    """random.setstate wants the nested tuples it gave, whatever container came back."""
+    if isinstance(v, (list, tuple)):
+        return tuple(_tuples(x) for x in v)
+    return v

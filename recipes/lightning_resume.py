@@ -1,0 +1,177 @@
+"""Lightning + bcp: train on 2 ranks with DDP, resume on 1 rank and on FSDP2 (ModelParallelStrategy).
+
+    torchrun --nproc_per_node 2 recipes/lightning_resume.py [--out DIR]
+
+The only bcp line is ``Trainer(plugins=[BCPCheckpointIO()])``. The script:
+1. trains a tiny MLP (built from a config, no downloads) for 2 steps with DDP on 2 CPU ranks;
+   ModelCheckpoint(every_n_train_steps=2) writes a sharded, asynchronous bcp checkpoint;
+2. relaunches itself on 1 process and resumes from that checkpoint with ``fit(ckpt_path=...)``;
+3. relaunches itself on 2 processes with ModelParallelStrategy (FSDP2) and resumes again.
+Each resumed run prints its losses. ``--phase`` runs one step alone (the tests use it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from bcp_integrations.lightning import BCPCheckpointIO
+
+CONFIG = {"dim": 8, "hidden": 16, "samples": 16, "batch_size": 4, "lr": 1e-2}
+
+
+class TinyRegressor(L.LightningModule):
+    def __init__(self, dim: int, hidden: int, lr: float, **_):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+                                 nn.Linear(hidden, 1))
+
+    def configure_model(self):
+        # ModelParallelStrategy gives a device mesh; shard every layer with FSDP2 over it.
+        if self.device_mesh is None:
+            return
+        from torch.distributed.fsdp import fully_shard
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        return [opt], [{"scheduler": sched, "interval": "step"}]
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(CONFIG["samples"], self.hparams.dim, generator=g)
+        y = x.sum(dim=1, keepdim=True).sin()
+        return DataLoader(TensorDataset(x, y), batch_size=CONFIG["batch_size"])
+
+
+class Recorder(Callback):
+    """Writes the mean loss of every step, and the full training state at chosen points, from rank 0."""
+
+    def __init__(self, out: str | None, dump_at_step: int | None = None, dump_at_start: bool = False):
+        self.out, self.dump_at_step, self.dump_at_start = out, dump_at_step, dump_at_start
+        self.losses: dict[int, float] = {}
+
+    def on_train_start(self, trainer, pl_module):
+        if self.dump_at_start:
+            self._dump(trainer, "start")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        loss = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")
+        self.losses[trainer.global_step] = float(loss)
+        if trainer.global_step == self.dump_at_step:
+            self._dump(trainer, f"step{trainer.global_step}")
+
+    def on_train_end(self, trainer, pl_module):
+        if self.out and trainer.is_global_zero:
+            with open(os.path.join(self.out, "losses.json"), "w") as f:
+                json.dump(self.losses, f)
+        if trainer.is_global_zero:
+            print("losses:", {k: round(v, 6) for k, v in self.losses.items()})
+
+    def _dump(self, trainer, tag: str) -> None:
+        # Full (unsharded) model and optimizer state keyed by FQN: comparable across layouts.
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model = trainer.strategy.model
+        msd = get_model_state_dict(model, options=opts)
+        osd = get_optimizer_state_dict(model, trainer.optimizers[0], options=opts)
+        sched = trainer.lr_scheduler_configs[0].scheduler.state_dict()
+        if self.out and trainer.is_global_zero:
+            torch.save({"model": {k.removeprefix("module."): v for k, v in msd.items()}, "optimizer": osd,
+                        "scheduler": sched, "global_step": trainer.global_step, "epoch": trainer.current_epoch,
+                        "rng": torch.get_rng_state()},
+                       os.path.join(self.out, f"state_{tag}.pt"))
+
+
+def build_trainer(args, world: int, callbacks: list) -> L.Trainer:
+    if args.strategy == "fsdp2":
+        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    else:
+        strategy = "ddp" if world > 1 else "auto"
+    plugins = [] if args.native else [BCPCheckpointIO()]
+    return L.Trainer(accelerator="cpu", devices=world, strategy=strategy, plugins=plugins, max_steps=args.max_steps,
+                     callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                     num_sanity_val_steps=0, deterministic=True)
+
+
+def run_phase(args) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    L.seed_everything(0, verbose=False)
+    os.makedirs(args.out, exist_ok=True)
+    callbacks = [Recorder(args.out, dump_at_step=args.dump_at_step, dump_at_start=args.resume is not None)]
+    if args.ckpt_dir:
+        # keep every checkpoint here; keep only the newest one (the highest step) in a second directory
+        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, filename="{step}", every_n_train_steps=args.every,
+                                         save_top_k=-1))
+        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir + "_newest", filename="newest-{step}",
+                                         every_n_train_steps=args.every, save_top_k=1, monitor="step", mode="max"))
+    trainer = build_trainer(args, world, callbacks)
+    trainer.fit(TinyRegressor(**CONFIG), ckpt_path=args.resume)
+
+
+def relaunch(nproc: int, *extra: str) -> None:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                        "MASTER_ADDR", "MASTER_PORT") and not k.startswith("TORCHELASTIC")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           __file__, *extra]
+    print("+", " ".join(cmd[2:]), flush=True)
+    subprocess.run(cmd, env=env, check=True, timeout=300)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--phase", choices=["demo", "run"], default="demo")
+    p.add_argument("--out", default=None, help="working directory (default: a temporary one)")
+    p.add_argument("--strategy", choices=["ddp", "fsdp2"], default="ddp")
+    p.add_argument("--max-steps", type=int, default=2)
+    p.add_argument("--every", type=int, default=2, help="ModelCheckpoint every_n_train_steps")
+    p.add_argument("--ckpt-dir", default=None)
+    p.add_argument("--resume", default=None, help="checkpoint to resume from (fit(ckpt_path=...))")
+    p.add_argument("--dump-at-step", type=int, default=None)
+    p.add_argument("--native", action="store_true", help="Lightning's own checkpoints instead of bcp (reference)")
+    args = p.parse_args()
+    if args.phase == "run":
+        run_phase(args)
+        return
+    out = args.out or tempfile.mkdtemp(prefix="bcp_lightning_")
+    if int(os.environ.get("WORLD_SIZE", "1")) != 2:
+        sys.exit("run the demo with: torchrun --nproc_per_node 2 recipes/lightning_resume.py")
+    args.out, args.ckpt_dir, args.max_steps = os.path.join(out, "train"), os.path.join(out, "ckpt"), 2
+    run_phase(args)
+    if int(os.environ["RANK"]) == 0:
+        ckpt = os.path.join(out, "ckpt", "step=2.ckpt")
+        print(f"bcp checkpoint: {ckpt} -> {sorted(os.listdir(ckpt))}")
+        relaunch(1, "--phase", "run", "--resume", ckpt, "--max-steps", "6", "--out", os.path.join(out, "ws1"))
+        relaunch(2, "--phase", "run", "--resume", ckpt, "--max-steps", "6", "--strategy", "fsdp2",
+                 "--out", os.path.join(out, "fsdp2"))
+        print(f"done; outputs under {out}")
+
+
+if __name__ == "__main__":
+    main()

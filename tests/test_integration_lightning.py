@@ -1,0 +1,104 @@
+"""Lightning + BCPCheckpointIO end to end: real Trainers, real DDP / FSDP2 processes on gloo.
+
+Runs recipes/lightning_resume.py in its `--phase run` mode:
+  A  DDP, 2 ranks, 4 steps, bcp checkpoints every 2 steps (also the uninterrupted reference)
+  N  DDP, 2 ranks, 2 steps, Lightning's own checkpoints (reference for the 1-process resume)
+  then resumes from A's step-2 checkpoint on DDP 2 ranks, on 1 process, on FSDP2 2 ranks,
+  and from N's on 1 process. The step-2 checkpoint ends an epoch (16 samples, 2 x 4 per step),
+  so the data position is the epoch, which Lightning's loop state carries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("lightning")
+import torch  # noqa: E402
+
+import bcp_core as bcp  # noqa: E402
+
+RECIPE = os.path.join(os.path.dirname(__file__), "..", "recipes", "lightning_resume.py")
+
+
+def _run(nproc: int, *args: str) -> None:
+    if nproc == 1:
+        cmd = [sys.executable, RECIPE]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), RECIPE]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.run([*cmd, "--phase", "run", *args], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"{' '.join(cmd)} {' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+
+
+def _losses(d) -> dict[int, float]:
+    with open(os.path.join(d, "losses.json")) as f:
+        return {int(k): v for k, v in json.load(f).items()}
+
+
+def _assert_same_state(a: dict, b: dict, rng: bool = True) -> None:
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys() and len(sa) == len(a["model"])
+    for fqn in sa:
+        for name in sa[fqn]:
+            assert torch.equal(torch.as_tensor(sa[fqn][name]), torch.as_tensor(sb[fqn][name])), (fqn, name)
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+    assert a["scheduler"] == b["scheduler"]
+    assert a["global_step"] == b["global_step"]
+    if rng:
+        # b was taken at train start, after the DataLoader iterator drew its base seed: one draw
+        g = torch.Generator()
+        g.set_state(a["rng"])
+        torch.empty((), dtype=torch.int64).random_(generator=g)
+        assert torch.equal(g.get_state(), b["rng"]), "torch RNG state not restored"
+
+
+@pytest.mark.timeout(600)
+def test_lightning_save_resume_across_world_sizes_and_strategies(tmp_path):
+    a, n = tmp_path / "a", tmp_path / "n"
+    ckpt = str(tmp_path / "ckpt")
+    _run(2, "--out", str(a), "--ckpt-dir", ckpt, "--max-steps", "4", "--dump-at-step", "2")
+    _run(2, "--native", "--out", str(n), "--ckpt-dir", str(tmp_path / "native"), "--max-steps", "2")
+    uninterrupted = _losses(a)
+    assert _losses(n) == {1: uninterrupted[1], 2: uninterrupted[2]}  # bcp does not disturb training
+
+    # every_n_train_steps: both checkpoints, each a committed bcp checkpoint written by both ranks
+    assert sorted(os.listdir(ckpt)) == ["step=2.ckpt", "step=4.ckpt"]
+    for name in os.listdir(ckpt):
+        md = bcp.inspect(os.path.join(ckpt, name))
+        assert md.world_size == 2 and any(f.startswith("data/r1") for f in md.files), md.files
+    # save_top_k=1: the older checkpoint was removed through remove_checkpoint
+    assert os.listdir(ckpt + "_newest") == ["newest-step=4.ckpt"]
+
+    step2 = os.path.join(ckpt, "step=2.ckpt")
+    saved = torch.load(a / "state_step2.pt", weights_only=False)
+
+    # same world size: state bit-identical after load, losses identical to the uninterrupted run
+    _run(2, "--out", str(tmp_path / "r2"), "--resume", step2, "--max-steps", "4")
+    r2 = torch.load(tmp_path / "r2" / "state_start.pt", weights_only=False)
+    _assert_same_state(saved, r2)
+    assert (saved["epoch"], r2["epoch"]) == (0, 1)  # saved at the last batch of epoch 0; resumes in epoch 1
+    assert _losses(tmp_path / "r2") == {3: uninterrupted[3], 4: uninterrupted[4]}
+
+    # DDP -> ModelParallelStrategy (FSDP2) on 2 ranks: the same, sharded differently
+    _run(2, "--strategy", "fsdp2", "--out", str(tmp_path / "f2"), "--resume", step2, "--max-steps", "4")
+    _assert_same_state(saved, torch.load(tmp_path / "f2" / "state_start.pt", weights_only=False))
+    assert _losses(tmp_path / "f2") == {3: uninterrupted[3], 4: uninterrupted[4]}
+
+    # 2 -> 1 process: bit-identical state, and the same losses as Lightning resuming its own
+    # checkpoint of the same run on 1 process
+    _run(1, "--out", str(tmp_path / "r1"), "--resume", step2, "--max-steps", "6")
+    _run(1, "--native", "--out", str(tmp_path / "n1"), "--resume",
+         str(tmp_path / "native" / "step=2.ckpt"), "--max-steps", "6")
+    r1 = torch.load(tmp_path / "r1" / "state_start.pt", weights_only=False)
+    _assert_same_state(saved, r1)
+    _assert_same_state(r1, torch.load(tmp_path / "n1" / "state_start.pt", weights_only=False), rng=False)
+    assert _losses(tmp_path / "r1") == _losses(tmp_path / "n1")
+    assert sorted(_losses(tmp_path / "r1")) == [3, 4, 5, 6]
