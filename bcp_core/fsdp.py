@@ -381,13 +381,23 @@ def _orig_state_leaves(out: dict, key: str, o: _Orig, st: dict) -> None:
         return
     for sname, v in st.items():
         k = f"state.{o.fqn}.{sname}"
-        if isinstance(v, torch.Tensor) and tuple(v.shape) == (o.numel,):
-            out[k] = o.view(v)
+        if _is_local_state(v, o):
+            out[k] = o.view(v.view(-1))
         elif isinstance(v, torch.Tensor) and v.dim() == 0 or not isinstance(v, torch.Tensor):
             out[k] = v
         else:
             raise BCPError(f"optimizer {key!r}: state {sname!r} of {o.fqn!r} (rank {_rank()}) has shape "
-                           f"{tuple(v.shape)}, neither its local elements' ({o.numel},) nor a scalar")
+                           f"{tuple(v.shape)}, neither per element of its {o.numel} local elements nor a scalar")
+
+
+def _is_local_state(v, o: _Orig) -> bool:
+    """Whether optimizer state `v` is per element of the parameter's local data.
+
+    Sharded, that data is the 1-D run of its elements; unsharded (NO_SHARD, or HYBRID_SHARD with
+    one rank per shard) FSDP gives the parameter its original shape.
+    """
+    return (isinstance(v, torch.Tensor) and v.numel() == o.numel
+            and (v.dim() == 1 or tuple(v.shape) == o.shape) and v.is_contiguous())
 
 
 def _keep(slot: dict, sname: str):
@@ -465,10 +475,10 @@ def _orig_targets(out: LoadTargets, md, o: _Orig, saved: dict, existing: dict, p
             out.targets[k] = LoadTarget(k, False, set_value=_keep(slot, sname))
         elif tuple(tm.shape) == o.shape:
             t = existing.get(sname)
-            if not (isinstance(t, torch.Tensor) and tuple(t.shape) == (o.numel,) and t.dtype == tm.dtype):
-                t = torch.zeros(o.numel, dtype=tm.dtype, device=param.device)
+            if not (_is_local_state(t, o) and t.dtype == tm.dtype):
+                t = torch.zeros(param.shape, dtype=tm.dtype, device=param.device)  # shaped like its local data
             slot[sname] = t
-            out.targets[k] = LoadTarget(k, False, tensor=o.view(t))
+            out.targets[k] = LoadTarget(k, False, tensor=o.view(t.view(-1)))
         elif tuple(tm.shape) == ():
             t = torch.zeros((), dtype=tm.dtype)  # scalars such as Adam's step live on the CPU
             slot[sname] = t
