@@ -1,0 +1,821 @@
+"""Dataloader state that survives a change of data-parallel degree (paper §3.3, Fig. 9, §4.5).
+
+A loader's state is split into a replicated part (configuration identical on every rank, saved once)
+and sharded parts: one per *read unit*, i.e. per DP rank and read worker (one in-process unit when a
+rank has no workers). Each unit owns disjoint remaining work: documents not read yet and a token
+buffer. Units are saved as sharded objects (`ObjectShard`), so the metadata's `sharded_objects`
+section is the paper's LoaderShardtoByteMap and a loading rank reads only the units it needs.
+
+Resharding (docs/dataloader.md): the saved units, in global order (DP rank major, worker minor),
+tile [0, 1) in equal intervals, and so do the new units. A new unit takes from every saved unit it
+overlaps the same fraction of that unit's remaining work (`split_unit_state`) and joins the pieces
+(`merge_unit_states`). Every remaining token therefore lands in exactly one new unit.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+import torch
+
+from .api import ShardReader
+from .errors import BCPError
+from .shards import ObjectShard
+
+__all__ = ["LoaderStateError", "ReadWorkerError", "ReshardableLoader", "OpaqueLoader", "PackedTokenLoader",
+           "checkpointable"]
+
+
+class LoaderStateError(BCPError):
+    """A dataloader state cannot be restored here: wrong format, other sources, or a resharding the
+    loader cannot do."""
+
+
+class ReadWorkerError(BCPError):
+    """A read worker process failed or died."""
+
+
+# ----------------------------------------------------------------------------- the protocol
+
+class ReshardableLoader:
+    """Base of loaders whose state bcp saves in parts and splits/merges when the DP degree changes.
+
+    A subclass sets `loader_format` (a string naming its state layout), `dp_rank`, `dp_size` and
+    `units_per_rank`, and implements the five methods below. This class turns them into
+    `state_dict()` / `load_state_dict()` / `bcp_load_template()`, so `bcp.save` and `bcp.load`
+    handle the loader like any stateful object under `state["dataloader"]`.
+    """
+
+    loader_format: str = ""
+    dp_rank: int = 0
+    dp_size: int = 1
+    units_per_rank: int = 1
+
+    def loader_replicated_state(self) -> dict:
+        """Configuration identical on every rank (sources, seeds). Saved once, from rank 0."""
+        raise NotImplementedError
+
+    def loader_unit_states(self) -> tuple[Any, list]:
+        """(rank_state, [unit_state] * units_per_rank) as of the last batch handed to the caller.
+
+        Values in the safe codec. `rank_state` holds what is meaningful only in the same layout
+        (which worker yields next); unit states hold the remaining work.
+        """
+        raise NotImplementedError
+
+    def loader_check(self, replicated: dict) -> None:
+        """Raise LoaderStateError if a saved state with this replicated part cannot be adopted here
+        (other sources, another seed). Called before any sharded part is read. Optional."""
+
+    def split_unit_state(self, unit: Any, lo: Fraction, hi: Fraction) -> Any:
+        """The part [lo, hi) of a saved unit's remaining work, 0 <= lo < hi <= 1.
+
+        For any cut points 0 = f0 < f1 < ... < fk = 1 the parts [f_i, f_i+1) must partition the
+        unit's work: every remaining token in exactly one part.
+        """
+        raise NotImplementedError
+
+    def merge_unit_states(self, parts: list) -> Any:
+        """One unit doing the work of `parts` (pieces of consecutive saved units, in order)."""
+        raise NotImplementedError
+
+    def loader_restore(self, replicated: dict, rank_state: Any, units: list, resharded: bool) -> None:
+        """Adopt a state. `rank_state` is None unless the layout (DP degree and units per rank) is the
+        saved one; `resharded` is True when units were split or merged rather than copied."""
+        raise NotImplementedError
+
+    # -- generic part: how the protocol maps onto bcp's replicated values and sharded objects
+
+    def state_dict(self) -> dict:
+        rank_state, units = self.loader_unit_states()
+        if len(units) != self.units_per_rank:
+            raise LoaderStateError(f"{type(self).__name__}: loader_unit_states() gave {len(units)} units, "
+                                   f"units_per_rank is {self.units_per_rank}")
+        here, grid = (self.dp_rank,), (self.dp_size,)
+        return {
+            "format": self.loader_format,
+            "layout": {"dp_size": self.dp_size, "units_per_rank": self.units_per_rank},
+            "replicated": self.loader_replicated_state(),
+            "rank": ObjectShard(rank_state, here, grid),
+            "units": {str(w): ObjectShard(u, here, grid) for w, u in enumerate(units)},
+        }
+
+    def bcp_load_template(self) -> dict:
+        # Which saved units this rank needs depends on the saved layout, so nothing is requested by
+        # index: bcp hands every sharded part over as a ShardReader and load_state_dict picks.
+        # `format` is asked for by name so that a checkpoint without loader state fails a strict load.
+        return {"format": None}
+
+    def load_state_dict(self, state: dict) -> None:
+        name = type(self).__name__
+        if state.get("format") != self.loader_format:
+            raise LoaderStateError(f"{name}: the dataloader state has format {state.get('format')!r}, expected "
+                                   f"{self.loader_format!r} (was it saved by another loader class?)")
+        layout = state.get("layout") or {}
+        try:
+            old_dp, old_w = int(layout["dp_size"]), int(layout["units_per_rank"])
+        except (KeyError, TypeError, ValueError):
+            raise LoaderStateError(f"{name}: the dataloader state lacks its layout (dp_size, units_per_rank)") from None
+        self.loader_check(state.get("replicated") or {})
+        saved_units = state.get("units") or {}
+        missing = [w for w in range(old_w) if str(w) not in saved_units]
+        if missing:
+            raise LoaderStateError(f"{name}: the dataloader state lacks the sharded units of workers {missing}")
+        cache: dict[int, Any] = {}
+
+        def saved_unit(u: int) -> Any:
+            if u not in cache:  # a saved unit overlapping two of this rank's units is read once
+                dp, w = divmod(u, old_w)
+                cache[u] = _read_shard(saved_units[str(w)], dp, f"read unit {w} of DP rank {dp}")
+            return cache[u]
+
+        new_w = self.units_per_rank
+        old_n, new_n = old_dp * old_w, self.dp_size * new_w
+        mine = range(self.dp_rank * new_w, (self.dp_rank + 1) * new_w)
+        rank_state, resharded = None, False
+        if (old_dp, old_w) == (self.dp_size, new_w):
+            rank_state = _read_shard(state.get("rank"), self.dp_rank, f"rank state of DP rank {self.dp_rank}")
+            units = [saved_unit(j) for j in mine]
+        elif old_n == new_n:  # same number of units, regrouped into ranks: each unit moves intact
+            units = [saved_unit(j) for j in mine]
+        else:
+            units = [self.merge_unit_states([self.split_unit_state(saved_unit(u), lo, hi)
+                                             for u, lo, hi in unit_overlaps(j, old_n, new_n)]) for j in mine]
+            resharded = True
+        self.loader_restore(state.get("replicated") or {}, rank_state, units, resharded)
+
+
+def unit_overlaps(j: int, old_n: int, new_n: int) -> list[tuple[int, Fraction, Fraction]]:
+    """(saved unit u, lo, hi): new unit j of new_n takes the part [lo, hi) of saved unit u of old_n."""
+    start, stop = Fraction(j * old_n, new_n), Fraction((j + 1) * old_n, new_n)  # in saved-unit lengths
+    out = []
+    for u in range(math.floor(start), math.ceil(stop)):
+        lo, hi = max(start - u, Fraction(0)), min(stop - u, Fraction(1))
+        if lo < hi:
+            out.append((u, lo, hi))
+    return out
+
+
+def _read_shard(src: Any, dp: int, what: str) -> Any:
+    if isinstance(src, ShardReader):
+        if (dp,) not in src:
+            raise LoaderStateError(f"the checkpoint has no {what} (saved indices {src.indices})")
+        return src[(dp,)]
+    if isinstance(src, ObjectShard):  # a state_dict() handed to load_state_dict directly
+        if src.index == (dp,):
+            return src.value
+        raise LoaderStateError(f"{what} is not in this state dict, which holds DP rank {src.index} only; "
+                               "resharding needs the state loaded from a checkpoint with bcp.load")
+    raise LoaderStateError(f"{what}: expected a sharded object, got {type(src).__name__}")
+
+
+# ----------------------------------------------------------------------------- opaque loaders
+
+class OpaqueLoader:
+    """A stateful loader whose state bcp cannot split (torchdata's StatefulDataLoader, ...).
+
+    Saved as one sharded item per DP rank; restored by DP rank when the DP degree is unchanged
+    (TP/PP may change). A changed DP degree raises LoaderStateError: handing ranks other ranks'
+    positions would silently skip or repeat data.
+    """
+
+    loader_format = "bcp.OpaqueLoader/1"
+
+    def __init__(self, loader, dp_rank: int, dp_size: int):
+        if not (callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))):
+            raise TypeError(f"{type(loader).__name__} has no state_dict()/load_state_dict()")
+        _check_rank(dp_rank, dp_size)
+        self.loader, self.dp_rank, self.dp_size = loader, dp_rank, dp_size
+        self._kind = f"{type(loader).__module__}.{type(loader).__qualname__}"
+
+    def __iter__(self):
+        return iter(self.loader)
+
+    def __len__(self):
+        return len(self.loader)
+
+    def state_dict(self) -> dict:
+        return {"format": self.loader_format, "layout": {"dp_size": self.dp_size, "loader": self._kind},
+                "rank": ObjectShard(self.loader.state_dict(), (self.dp_rank,), (self.dp_size,))}
+
+    def bcp_load_template(self) -> dict:
+        return {"format": None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("format") != self.loader_format:
+            raise LoaderStateError(f"the dataloader state has format {state.get('format')!r}, not that of an "
+                                   f"opaque loader ({self.loader_format!r})")
+        layout = state.get("layout") or {}
+        saved_dp = layout.get("dp_size")
+        if saved_dp != self.dp_size:
+            raise LoaderStateError(
+                f"the dataloader state was saved at data-parallel degree {saved_dp} and this job has "
+                f"{self.dp_size}: {layout.get('loader')} keeps an opaque state that bcp cannot split or merge, "
+                f"so resuming would skip or repeat data. Resume at DP={saved_dp}, or use a loader implementing "
+                "bcp_core.dataloader.ReshardableLoader (such as PackedTokenLoader)")
+        self.loader.load_state_dict(_read_shard(state.get("rank"), self.dp_rank, f"state of DP rank {self.dp_rank}"))
+
+
+def checkpointable(loader, dp_rank: int | None = None, dp_size: int | None = None):
+    """What to put under state["dataloader"]: the loader itself when it is reshardable, else an
+    OpaqueLoader keyed by DP rank (which defaults to the global rank: pure data parallelism)."""
+    if isinstance(loader, (ReshardableLoader, OpaqueLoader)):
+        return loader
+    if dp_rank is None or dp_size is None:
+        import torch.distributed as dist
+        on = dist.is_available() and dist.is_initialized()
+        dp_rank = dist.get_rank() if on and dp_rank is None else (dp_rank or 0)
+        dp_size = dist.get_world_size() if on and dp_size is None else (dp_size or 1)
+    return OpaqueLoader(loader, dp_rank, dp_size)
+
+
+def _check_rank(dp_rank: int, dp_size: int) -> None:
+    if not (isinstance(dp_size, int) and dp_size >= 1 and isinstance(dp_rank, int) and 0 <= dp_rank < dp_size):
+        raise ValueError(f"dp_rank={dp_rank!r} must lie in [0, dp_size) with dp_size={dp_size!r} >= 1")
+
+
+# ----------------------------------------------------------------------------- deterministic hashing
+
+_M64 = (1 << 64) - 1
+
+
+def _splitmix(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def _mix(*values: int) -> int:
+    """A 64-bit hash of integers: counter-based randomness, so a unit's RNG state is one counter."""
+    h = 0
+    for v in values:
+        h = _splitmix(h ^ (v & _M64))
+    return h
+
+
+def _permute(i: int, n: int, key: int) -> int:
+    """A keyed bijection of range(n): a 4-round Feistel network with cycle walking. Documents are
+    shuffled by position, so remaining work stays a few ranges of positions however it is split."""
+    if n <= 1:
+        return i
+    bits = max(2, (n - 1).bit_length())
+    bits += bits & 1
+    half = bits // 2
+    mask = (1 << half) - 1
+    x = i
+    while True:
+        left, right = x >> half, x & mask
+        for rnd in range(4):
+            left, right = right, left ^ (_mix(key, rnd, right) & mask)
+        x = (left << half) | right
+        if x < n:  # the domain is < 4n, so this loops a few times at most on average
+            return x
+
+
+# ----------------------------------------------------------------------------- packing
+
+@dataclass(frozen=True)
+class _Unit:
+    """One read unit's state. Never mutated: a snapshot is a reference, so a worker can keep the
+    state after each of its last few batches at no cost."""
+
+    epoch: int
+    docs: tuple[tuple[range, ...], ...]  # per source: positions not read yet, in reading order
+    buffer: np.ndarray                   # int64 tokens read but not delivered, in delivery order
+    stream: int                          # selects this unit's source-mixing random stream
+    draws: int                           # source choices made so far on that stream
+
+    @property
+    def exhausted(self) -> bool:
+        return self.buffer.size == 0 and not any(self.docs)
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+_EMPTY = _frozen(np.zeros(0, dtype=np.int64))
+
+
+class _Packer:
+    """Reads documents into a unit's token buffer and cuts batches from it. Runs in read workers."""
+
+    def __init__(self, sources: list, counts: list[int], weights: list[float], seq_len: int, batch_size: int,
+                 seed: int, shuffle: bool, eos_id: int | None, pad_id: int):
+        self.sources, self.counts, self.weights = sources, counts, weights
+        self.seq_len, self.batch_size = seq_len, batch_size
+        self.seed, self.shuffle, self.eos_id, self.pad_id = seed, shuffle, eos_id, pad_id
+
+    def fresh(self, epoch: int, unit: int, n_units: int) -> _Unit:
+        docs = tuple(((range(unit, n, n_units),) if unit < n else ()) for n in self.counts)
+        return _Unit(epoch, docs, _EMPTY, unit, 0)
+
+    def exhausted(self, epoch: int) -> _Unit:
+        return _Unit(epoch, ((),) * len(self.counts), _EMPTY, 0, 0)
+
+    def _pick(self, docs, unit: _Unit, draws: int) -> int | None:
+        live = [s for s, d in enumerate(docs) if d]
+        if not live:
+            return None
+        x = _mix(self.seed, unit.epoch, unit.stream, draws) / 2.0 ** 64 * sum(self.weights[s] for s in live)
+        for s in live:
+            x -= self.weights[s]
+            if x < 0:
+                return s
+        return live[-1]
+
+    def _document(self, epoch: int, s: int, pos: int) -> np.ndarray:
+        index = _permute(pos, self.counts[s], _mix(self.seed, epoch, s, 0x5EED)) if self.shuffle else pos
+        return np.asarray(self.sources[s][index], dtype=np.int64).reshape(-1)
+
+    def next_batch(self, unit: _Unit, between_docs=None) -> tuple[_Unit, np.ndarray, int] | None:
+        """(unit after, batch (batch_size, seq_len), real tokens in it), or None once exhausted.
+
+        The last batch of a unit is padded with pad_id at the end; `real` counts the tokens before it.
+        """
+        need = self.seq_len * self.batch_size
+        pieces, have = [unit.buffer], unit.buffer.size
+        docs, draws = list(unit.docs), unit.draws
+        while have < need:
+            s = self._pick(docs, unit, draws)
+            if s is None:
+                break
+            draws += 1
+            head, rest = docs[s][0], docs[s][0][1:]
+            docs[s] = ((rest,) if len(rest) else ()) + docs[s][1:]
+            tokens = self._document(unit.epoch, s, head[0])
+            pieces.append(tokens)
+            have += tokens.size
+            if self.eos_id is not None:
+                pieces.append(np.array([self.eos_id], dtype=np.int64))
+                have += 1
+            if between_docs is not None:
+                between_docs()  # a read worker answers state requests while it reads
+        buf = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        if buf.size == 0:
+            return None
+        real = min(need, buf.size)
+        out = np.full(need, self.pad_id, dtype=np.int64)
+        out[:real] = buf[:real]
+        after = replace(unit, docs=tuple(docs), buffer=_frozen(buf[real:]), draws=draws)
+        return after, out.reshape(self.batch_size, self.seq_len), real
+
+
+# ----------------------------------------------------------------------------- read workers
+
+class _Stop(Exception):
+    pass
+
+
+def _read_worker(packer: _Packer, unit: _Unit, w: int, data_q, ctrl_q, state_q, keep: int) -> None:
+    """Produce batches of one unit into data_q; answer ("state", n) with the state after batch n.
+
+    Requests may come before batch n exists (prefetching: answered right after producing it) or
+    after (answered from the last `keep` states, which covers every batch not yet consumed).
+    """
+    data_q.cancel_join_thread()  # on stop, batches nobody will read must not block the exit
+    produced, ring, wanted = 0, {0: unit}, set()
+
+    def take(msg) -> None:
+        if msg[0] == "stop":
+            raise _Stop
+        wanted.add(msg[1])
+
+    def poll() -> None:
+        while True:
+            try:
+                take(ctrl_q.get_nowait())
+            except queue.Empty:
+                break
+        for n in sorted(n for n in wanted if n <= produced):
+            wanted.discard(n)
+            state_q.put(("state", w, n, ring.get(n)))
+
+    def put(item) -> None:
+        while True:
+            try:
+                data_q.put(item, timeout=0.005)
+                return
+            except queue.Full:
+                poll()  # the consumer is behind: serve state requests while waiting
+
+    try:
+        while True:
+            poll()
+            step = packer.next_batch(unit, poll)
+            if step is None:
+                break
+            unit, batch, real = step
+            produced += 1
+            ring[produced] = unit
+            for n in [n for n in ring if n < produced - keep and n not in wanted]:
+                del ring[n]
+            poll()  # a prefetched state of this batch goes out before the batch itself
+            put(("batch", produced, batch, real))
+        put(("end", produced))
+        while True:
+            take(ctrl_q.get())
+            poll()
+    except _Stop:
+        pass
+    except BaseException:  # noqa: BLE001 - reported to the main process
+        tb = traceback.format_exc()
+        data_q.put(("error", tb))
+        state_q.put(("error", w, tb))
+
+
+class _WorkerPool:
+    """The read workers of one rank and the bookkeeping of what the training loop consumed."""
+
+    def __init__(self, packer: _Packer, units: list[_Unit], ctx, prefetch_factor: int, timeout: float):
+        self.timeout = timeout
+        self.consumed = [0] * len(units)
+        self.ended = [False] * len(units)
+        self.requested: set[tuple[int, int]] = set()
+        self.state_q = ctx.Queue()
+        self.data_qs = [ctx.Queue(prefetch_factor) for _ in units]
+        self.ctrl_qs = [ctx.Queue() for _ in units]
+        self.procs = [ctx.Process(target=_read_worker, name=f"bcp-read-worker-{w}", daemon=True,
+                                  args=(packer, u, w, self.data_qs[w], self.ctrl_qs[w], self.state_q,
+                                        prefetch_factor + 4))
+                      for w, u in enumerate(units)]
+        for p in self.procs:
+            p.start()
+        self._states: dict[tuple[int, int], Any] = {}
+        self._error: str | None = None
+        self._cond = threading.Condition()
+        # States are received in the background so that a prefetched one is already unpickled when
+        # the checkpoint step asks for it.
+        self._receiver = threading.Thread(target=self._receive, name="bcp-loader-states", daemon=True)
+        self._receiver.start()
+
+    def _receive(self) -> None:
+        while True:
+            msg = self.state_q.get()
+            if msg is None:
+                return
+            with self._cond:
+                if msg[0] == "error":
+                    self._error = f"read worker {msg[1]} failed:\n{msg[2]}"
+                else:
+                    self._states[(msg[1], msg[2])] = msg[3]
+                self._cond.notify_all()
+
+    def _check(self, w: int) -> None:
+        if self._error:
+            raise ReadWorkerError(self._error)
+        if not self.procs[w].is_alive():
+            raise ReadWorkerError(f"read worker {w} exited with code {self.procs[w].exitcode}")
+
+    def get(self, w: int):
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                msg = self.data_qs[w].get(timeout=0.5)
+            except queue.Empty:
+                self._check(w)
+                if time.monotonic() > deadline:
+                    raise ReadWorkerError(f"read worker {w} produced nothing for {self.timeout}s") from None
+                continue
+            if msg[0] == "error":
+                raise ReadWorkerError(f"read worker {w} failed:\n{msg[1]}")
+            return msg
+
+    def request(self, w: int, n: int) -> None:
+        if (w, n) not in self.requested:
+            self.requested.add((w, n))
+            self.ctrl_qs[w].put(("state", n))
+
+    def prune(self, w: int, below: int) -> None:
+        """Forget prepared states of worker w before batch `below` (checkpoint steps that were skipped)."""
+        with self._cond:
+            for key in [k for k in self._states if k[0] == w and k[1] < below]:
+                del self._states[key]
+        self.requested -= {k for k in self.requested if k[0] == w and k[1] < below}
+
+    def take_state(self, w: int, n: int) -> _Unit:
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            while (w, n) not in self._states:
+                self._check(w)
+                if time.monotonic() > deadline:
+                    raise ReadWorkerError(f"read worker {w} did not report its state after batch {n} "
+                                          f"within {self.timeout}s")
+                self._cond.wait(0.5)
+            unit = self._states.pop((w, n))
+        self.requested.discard((w, n))
+        if unit is None:
+            raise ReadWorkerError(f"read worker {w} no longer holds its state after batch {n}")
+        return unit
+
+    def close(self) -> None:
+        for q in self.ctrl_qs:
+            q.put(("stop",))
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+        self.state_q.put(None)
+        self._receiver.join(timeout=5)
+        for q in (*self.data_qs, *self.ctrl_qs, self.state_q):
+            q.close()
+            q.cancel_join_thread()
+
+
+# ----------------------------------------------------------------------------- the reference loader
+
+class PackedTokenLoader(ReshardableLoader):
+    """Mixes token sources by weight and packs them into (batch_size, seq_len) batches for one DP rank.
+
+    `sources` maps a name to a sequence of documents, each a sequence of token ids. Every DP rank
+    reads through `num_workers` read workers (in-process when 0); each owns a disjoint share of every
+    source's documents (shuffled per epoch when `shuffle`) and a token buffer. A worker picks the
+    source of its next document at random by `weights` among sources it still has documents of,
+    appends the document (and `eos_id`, if given) to its buffer, and cuts batches from the buffer.
+    Batches from a rank's workers come in round-robin order. The epoch ends when every unit is
+    exhausted; a unit's last batch is padded with `pad_id`. Everything is a function of `seed`.
+
+    With `checkpoint_interval=k` the workers prepare their states for every k-th batch this loader
+    yields (counted from construction or restore) ahead of time, so `state_dict()` at those steps
+    does not wait on them (paper §4.5).
+    """
+
+    loader_format = "bcp.PackedTokenLoader/1"
+
+    def __init__(self, sources: Mapping[str, Sequence[Sequence[int]]], seq_len: int, batch_size: int, *,
+                 dp_rank: int = 0, dp_size: int = 1, weights: Mapping[str, float] | None = None,
+                 num_workers: int = 0, seed: int = 0, shuffle: bool = True, eos_id: int | None = None,
+                 pad_id: int = -1, checkpoint_interval: int | None = None, prefetch_factor: int = 2,
+                 multiprocessing_context: str | None = None, timeout: float = 300.0):
+        _check_rank(dp_rank, dp_size)
+        if not isinstance(sources, Mapping) or not sources:
+            raise ValueError("sources must be a non-empty mapping of name -> sequence of documents")
+        if seq_len < 1 or batch_size < 1 or num_workers < 0 or prefetch_factor < 1:
+            raise ValueError(f"need seq_len >= 1, batch_size >= 1, num_workers >= 0, prefetch_factor >= 1; got "
+                             f"{seq_len}, {batch_size}, {num_workers}, {prefetch_factor}")
+        if checkpoint_interval is not None and checkpoint_interval < 1:
+            raise ValueError(f"checkpoint_interval must be >= 1 or None, got {checkpoint_interval}")
+        self.names = [str(n) for n in sources]
+        weights = dict(weights) if weights is not None else {n: 1.0 for n in self.names}
+        unknown = set(map(str, weights)) - set(self.names)
+        if unknown:
+            raise ValueError(f"weights name sources that do not exist: {sorted(unknown)}")
+        ws = [float(weights.get(n, 0.0)) for n in self.names]
+        if any(not math.isfinite(x) or x <= 0 for x in ws):
+            raise ValueError(f"every source needs a finite weight > 0, got {dict(zip(self.names, ws))}")
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.num_workers = num_workers
+        self.units_per_rank = max(num_workers, 1)
+        self.seq_len, self.batch_size, self.seed, self.shuffle = seq_len, batch_size, int(seed), bool(shuffle)
+        self.checkpoint_interval, self.prefetch_factor, self.timeout = checkpoint_interval, prefetch_factor, timeout
+        self._ctx = mp.get_context(multiprocessing_context or ("fork" if "fork" in mp.get_all_start_methods()
+                                                               else "spawn"))
+        self._packer = _Packer([sources[n] for n in self.names], [len(sources[n]) for n in self.names], ws,
+                               seq_len, batch_size, self.seed, self.shuffle, eos_id, pad_id)
+        self._generation = 0  # how often the units were split/merged; seeds the new units' streams
+        self._pool: _WorkerPool | None = None
+        # per worker state collected: asked for ahead of the checkpoint step, or only when it came
+        self.stats = {"prefetched": 0, "on_demand": 0, "last_state_wait_s": 0.0}
+        self._yielded = 0  # batches yielded since construction or restore: the prefetch schedule's clock
+        self._start_epoch(0)
+
+    # -- iteration
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def _start_epoch(self, epoch: int) -> None:
+        self._epoch = epoch
+        n = self.dp_size * self.units_per_rank
+        first = self.dp_rank * self.units_per_rank
+        self._units = [self._packer.fresh(epoch, first + w, n) for w in range(self.units_per_rank)]
+        self._next_worker = 0
+
+    def __iter__(self):
+        """Continue the current epoch, or start the next one if it is over."""
+        if self._pool is None and all(u.exhausted for u in self._units):
+            self._start_epoch(self._epoch + 1)
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self.num_workers == 0:
+            step = self._packer.next_batch(self._units[0])
+            if step is None:
+                raise StopIteration
+            self._units[0], batch, _ = step
+            self._yielded += 1
+            return torch.from_numpy(batch)
+        if self._pool is None:
+            if all(u.exhausted for u in self._units):
+                raise StopIteration
+            self._pool = _WorkerPool(self._packer, self._units, self._ctx, self.prefetch_factor, self.timeout)
+            self._prefetch_next()
+        pool = self._pool
+        while not all(pool.ended):
+            w = self._next_worker
+            self._next_worker = (w + 1) % self.num_workers
+            if pool.ended[w]:
+                continue
+            msg = pool.get(w)
+            if msg[0] == "end":
+                pool.ended[w] = True
+                continue
+            _, count, batch, _ = msg
+            pool.consumed[w] = count
+            self._yielded += 1
+            if self.checkpoint_interval and self._yielded % self.checkpoint_interval == 0:
+                self._prefetch_next()  # this is a checkpoint step: prepare the next one already
+            return torch.from_numpy(batch)
+        self._units = [self._packer.exhausted(self._epoch)] * self.num_workers
+        self._close_pool()
+        raise StopIteration
+
+    def _prefetch_next(self) -> None:
+        """Ask each worker now for its state at the next checkpoint step (every k-th batch yielded).
+
+        Workers answer as soon as they have produced that batch, or at once from their recent states
+        if they are past it, so the answer is waiting when the checkpoint step comes.
+        """
+        k, pool = self.checkpoint_interval, self._pool
+        if k is None or pool is None:
+            return
+        counts, ended, w = list(pool.consumed), list(pool.ended), self._next_worker
+        for _ in range((self._yielded // k + 1) * k - self._yielded):  # replay the round robin ahead
+            if all(ended):
+                break
+            while ended[w]:
+                w = (w + 1) % self.num_workers
+            counts[w] += 1
+            w = (w + 1) % self.num_workers
+        for w, n in enumerate(counts):
+            pool.prune(w, pool.consumed[w])
+            if not ended[w]:
+                pool.request(w, n)  # a worker that ends first makes this a miss, answered on demand
+
+    def close(self) -> None:
+        """Stop the read workers (they restart, from the current state, on the next batch)."""
+        if self._pool is not None:
+            self._units = self._current_units()
+            self._close_pool()
+
+    def _close_pool(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+    def __del__(self):
+        try:
+            self._close_pool()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def _current_units(self) -> list[_Unit]:
+        """Each unit's state as of the last batch yielded: no worker may be ahead in what is saved."""
+        pool = self._pool
+        if pool is None:
+            return list(self._units)
+        t0 = time.perf_counter()
+        units: list[_Unit | None] = [None] * self.num_workers
+        for w in range(self.num_workers):
+            if pool.ended[w]:
+                units[w] = self._packer.exhausted(self._epoch)
+                continue
+            ahead = (w, pool.consumed[w]) in pool.requested
+            self.stats["prefetched" if ahead else "on_demand"] += 1
+            pool.request(w, pool.consumed[w])
+        for w in range(self.num_workers):
+            if units[w] is None:
+                units[w] = pool.take_state(w, pool.consumed[w])
+        self.stats["last_state_wait_s"] = time.perf_counter() - t0
+        return units
+
+    # -- the ReshardableLoader protocol
+
+    def loader_replicated_state(self) -> dict:
+        return {"sources": [[n, c] for n, c in zip(self.names, self._packer.counts)], "seed": self.seed,
+                "shuffle": self.shuffle, "generation": self._generation}
+
+    def loader_unit_states(self) -> tuple[Any, list]:
+        return {"next_worker": self._next_worker}, [self._encode(u) for u in self._current_units()]
+
+    def split_unit_state(self, unit: Any, lo: Fraction, hi: Fraction) -> Any:
+        u = self._decode(unit)
+
+        def cut(n: int, f: Fraction, align: int = 1) -> int:
+            # Buffer cuts fall on sequence boundaries so that whole sequences stay together.
+            return n if f >= 1 else min(n, math.floor(n * f) // align * align)
+
+        docs = []
+        for ranges in u.docs:
+            n = sum(len(r) for r in ranges)
+            docs.append(_slice_ranges(ranges, cut(n, lo), cut(n, hi)))
+        nb = u.buffer.size
+        buffer = u.buffer[cut(nb, lo, self.seq_len):cut(nb, hi, self.seq_len)]
+        return self._encode(replace(u, docs=tuple(docs), buffer=buffer))
+
+    def merge_unit_states(self, parts: list) -> Any:
+        units = [self._decode(p) for p in parts]
+        epochs = sorted({u.epoch for u in units})
+        if len(epochs) > 1:
+            raise LoaderStateError(f"the saved read units to merge are in different epochs {epochs}: the DP ranks "
+                                   "were not at the same point of the data when the checkpoint was taken")
+        docs = tuple(_join_ranges([r for u in units for r in u.docs[s]]) for s in range(len(self.names)))
+        buffer = np.concatenate([u.buffer for u in units]) if units else _EMPTY
+        return self._encode(_Unit(epochs[0], docs, buffer, 0, 0))
+
+    def loader_check(self, replicated: dict) -> None:
+        saved_sources = [tuple(x) for x in replicated.get("sources", [])]
+        mine = [(n, c) for n, c in zip(self.names, self._packer.counts)]
+        if saved_sources != mine:
+            raise LoaderStateError(f"the checkpoint's loader read sources {saved_sources} (name, documents); this "
+                                   f"loader has {mine}. The remaining work names documents by position, so the "
+                                   "sources must be the same")
+        for key in ("seed", "shuffle"):
+            if replicated.get(key) != getattr(self, key):
+                raise LoaderStateError(f"the checkpoint's loader has {key}={replicated.get(key)!r}, this one "
+                                       f"{getattr(self, key)!r}; the remaining documents are positions in the saved "
+                                       "shuffle, so it must match")
+
+    def loader_restore(self, replicated: dict, rank_state: Any, units: list, resharded: bool) -> None:
+        decoded = [self._decode(u) for u in units]
+        epochs = sorted({u.epoch for u in decoded})
+        if len(epochs) != 1:
+            raise LoaderStateError(f"this rank's restored read units are in different epochs {epochs}")
+        self._close_pool()
+        self._generation = int(replicated.get("generation", 0)) + (1 if resharded else 0)
+        if resharded:  # new units draw from fresh streams of their own
+            n = self.dp_size * self.units_per_rank
+            first = self.dp_rank * self.units_per_rank
+            decoded = [replace(u, stream=_mix(self._generation, n, first + w), draws=0)
+                       for w, u in enumerate(decoded)]
+        self._units, self._epoch = decoded, epochs[0]
+        self._next_worker = int(rank_state["next_worker"]) % self.units_per_rank if rank_state else 0
+        self._yielded = 0
+
+    # -- unit states as safe-codec values
+
+    def _encode(self, u: _Unit) -> dict:
+        buf = u.buffer
+        if buf.size == 0 or (buf.min() >= -2 ** 31 and buf.max() < 2 ** 31):
+            buf = buf.astype(np.int32)  # token ids nearly always fit: half the bytes
+        return {"epoch": u.epoch, "stream": u.stream, "draws": u.draws, "buffer": buf,
+                "docs": {n: [[r.start, r.stop, r.step] for r in rs] for n, rs in zip(self.names, u.docs)}}
+
+    def _decode(self, v: Any) -> _Unit:
+        try:
+            docs = v["docs"]
+            if sorted(docs) != sorted(self.names):
+                raise LoaderStateError(f"a saved read unit has sources {sorted(docs)}, this loader {self.names}")
+            ranges = []
+            for n, count in zip(self.names, self._packer.counts):
+                rs = tuple(range(int(a), int(b), int(c)) for a, b, c in docs[n])
+                if any(len(r) and (min(r) < 0 or max(r) >= count) for r in rs):
+                    raise LoaderStateError(f"a saved read unit names documents of source {n!r} beyond its "
+                                           f"{count} documents")
+                ranges.append(tuple(r for r in rs if len(r)))
+            buf = np.asarray(v["buffer"])
+            if buf.ndim != 1 or (buf.size and buf.dtype.kind not in "iu"):
+                raise LoaderStateError(f"a saved read unit's token buffer is not a 1-D integer array "
+                                       f"(shape {buf.shape}, dtype {buf.dtype})")
+            return _Unit(int(v["epoch"]), tuple(ranges), _frozen(buf.astype(np.int64)), int(v["stream"]),
+                         int(v["draws"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise LoaderStateError(f"malformed read unit state: {type(e).__name__}: {e}") from None
+
+
+def _slice_ranges(ranges: tuple[range, ...], a: int, b: int) -> tuple[range, ...]:
+    """Items [a, b) of the concatenation of `ranges`, as ranges."""
+    out, pos = [], 0
+    for r in ranges:
+        lo, hi = max(a - pos, 0), min(b - pos, len(r))
+        if lo < hi:
+            out.append(r[lo:hi])
+        pos += len(r)
+    return tuple(out)
+
+
+def _join_ranges(ranges: list[range]) -> tuple[range, ...]:
+    """Concatenate, fusing a range with the next when the next continues it (state stays small)."""
+    out: list[range] = []
+    for r in ranges:
+        if not len(r):
+            continue
+        if out and len(out[-1]) and out[-1].step == r.step and out[-1][-1] + r.step == r.start:
+            out[-1] = range(out[-1].start, r[-1] + r.step, r.step)
+        else:
+            out.append(r)
+    return tuple(out)

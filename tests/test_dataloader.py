@@ -1,0 +1,301 @@
+"""Dataloader state through bcp.save/load: exactly-once delivery of every token across DP changes.
+
+Every token of the test corpus is unique (source, document and position are encoded in its id), so
+"nothing lost, nothing repeated" is an exact multiset comparison. The uninterrupted runs are computed
+in this process; checkpoints are saved by 4 gloo ranks holding DP ranks with TP-style duplicates, and
+resumed by 4 other ranks at other DP degrees and worker counts.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+from collections import Counter
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+
+import bcp_core as bcp
+from bcp_core.shards import ObjectShard
+from bcp_core.dataloader import (LoaderStateError, OpaqueLoader, PackedTokenLoader, checkpointable,
+                                 unit_overlaps)
+from dist import run_ranks
+
+SEQ, BATCH, PAD = 8, 2, -1
+WEIGHTS = {"web": 3.0, "code": 1.0, "books": 0.5}
+
+
+def corpus() -> dict[str, list[list[int]]]:
+    """Three sources; token id = source * 10**6 + document * 1000 + position, so every token is unique.
+    Some documents are longer than a batch, so token buffers carry tokens across checkpoints."""
+    rng = random.Random(1234)
+    out = {}
+    for s, (name, n) in enumerate([("web", 30), ("code", 17), ("books", 9)]):
+        out[name] = [[s * 10 ** 6 + d * 1000 + i for i in range(rng.choice([1, 2, 5, 9, 13, 21, 40]))]
+                     for d in range(n)]
+    return out
+
+
+ALL_TOKENS = Counter(t for docs in corpus().values() for d in docs for t in d)
+
+
+def make(dp_rank, dp_size, workers=0, **kw):
+    return PackedTokenLoader(corpus(), SEQ, BATCH, dp_rank=dp_rank, dp_size=dp_size, weights=WEIGHTS,
+                             num_workers=workers, seed=7, pad_id=PAD, **kw)
+
+
+def real(batches) -> list[int]:
+    return [t for b in batches for t in np.asarray(b).reshape(-1).tolist() if t != PAD]
+
+
+def drain(loader, n=None) -> list[list[int]]:
+    """n batches (or the rest of the epoch) as lists of token ids."""
+    out = []
+    for batch in loader:
+        assert tuple(batch.shape) == (BATCH, SEQ)
+        out.append(batch.reshape(-1).tolist())
+        if n is not None and len(out) == n:
+            break
+    return out
+
+
+def allow_children():
+    # run_ranks makes daemonic processes (so they die with the test runner); a real training rank is
+    # not daemonic, and multiprocessing refuses children to daemonic processes.
+    mp.current_process()._config["daemon"] = False
+
+
+# scenario -> (saved DP degree, DP rank of each of the 4 saving ranks, read workers, step saved at)
+SAVED = {
+    "dp2": (2, [0, 0, 1, 1], 0, 5),
+    "dp4": (4, [0, 1, 2, 3], 0, 4),
+    "dp3": (3, [0, 1, 2, 2], 0, 6),
+    "dp2w2": (2, [0, 0, 1, 1], 2, 6),
+}
+INTERVAL = 3  # the dp2w2 loaders prefetch their state for every 3rd batch
+
+# resume cases: (scenario, new DP degree, new workers, new DP rank of each of the 4 loading ranks or None)
+RESUMES = [
+    ("dp2", 4, 0, [0, 1, 2, 3]),
+    ("dp2", 3, 0, [0, 1, 2, 2]),       # then saved again and resumed at DP 1 (chain)
+    ("dp2", 2, 0, [0, 1, 1, 0]),       # TP/PP change only: copies
+    ("dp4", 2, 0, [0, 1, None, None]),
+    ("dp4", 3, 0, [0, 1, 2, None]),
+    ("dp4", 1, 0, [0, None, None, None]),
+    ("dp3", 1, 0, [0, None, None, None]),
+    ("dp3", 2, 0, [0, 1, None, None]),
+    ("dp3", 4, 0, [0, 1, 2, 3]),
+    ("dp2w2", 3, 2, [0, 1, 2, None]),
+    ("dp2w2", 2, 2, [0, 1, 1, 0]),     # same layout, workers: copies, identical batches
+    ("dp2w2", 4, 1, [0, 1, 2, 3]),     # same number of read units, regrouped
+    ("dp2w2", 1, 0, [0, None, None, None]),
+]
+CHAIN_STEPS = 3
+
+
+def case_id(c):
+    return f"{c[0]}->dp{c[1]}w{c[2]}"
+
+
+# ----------------------------------------------------------------------------- rank functions
+
+def _save_rank(rank, world_size, root):
+    allow_children()
+    out = {}
+    for name, (dp, ranks, workers, step) in SAVED.items():
+        kw = {"checkpoint_interval": INTERVAL} if workers else {}
+        loader = make(ranks[rank], dp, workers, **kw)
+        before = drain(loader, step)
+        bcp.save(os.path.join(root, name), {"dataloader": loader, "step": step}).wait()
+        out[name] = {"before": before, "stats": dict(loader.stats)}
+        loader.close()
+
+    # torchdata's StatefulDataLoader at the same world size, through OpaqueLoader
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    data = list(range(rank * 100, rank * 100 + 23))
+    live = StatefulDataLoader(data, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(rank))
+    it = iter(live)
+    for _ in range(3):
+        next(it)
+    bcp.save(os.path.join(root, "opaque"), {"dataloader": OpaqueLoader(live, rank, world_size)}).wait()
+    expected = [b.tolist() for b in it]
+    fresh = StatefulDataLoader(data, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(99))
+    bcp.load(os.path.join(root, "opaque"), {"dataloader": checkpointable(fresh, rank, world_size)})
+    out["opaque"] = {"expected": expected, "resumed": [b.tolist() for b in fresh]}
+    return out
+
+
+def _resume_rank(rank, world_size, root):
+    allow_children()
+    out = {}
+    for case in RESUMES:
+        name, dp, workers, ranks = case
+        if ranks[rank] is None:
+            continue
+        loader = make(ranks[rank], dp, workers)
+        bcp.load(os.path.join(root, name), {"dataloader": loader})
+        if name == "dp2" and dp == 3:
+            # chain: run on at DP 3 a little, save (all 4 ranks: DP rank 2 twice), resume later at DP 1
+            out["chain_mid"] = drain(loader, CHAIN_STEPS)
+            bcp.save(os.path.join(root, "chain"), {"dataloader": loader}).wait()
+        out[case_id(case)] = drain(loader)
+        loader.close()
+    return out
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+def reference(dp, workers) -> list[list[list[int]]]:
+    """The uninterrupted run: per DP rank, every batch of the epoch."""
+    runs = []
+    for r in range(dp):
+        loader = make(r, dp, workers)
+        runs.append(drain(loader))
+        loader.close()
+    return runs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("loader"))
+    saved = run_ranks(4, _save_rank, root)
+    resumed = run_ranks(4, _resume_rank, root)
+    refs = {name: reference(dp, workers) for name, (dp, _, workers, _) in SAVED.items()}
+    return root, saved, resumed, refs
+
+
+def _assert_same_tokens(got: Counter, want: Counter, what: str):
+    lost, repeated = want - got, got - want
+    assert not lost and not repeated, (f"{what}: {sum(lost.values())} tokens lost (e.g. {sorted(lost)[:5]}), "
+                                       f"{sum(repeated.values())} extra or repeated (e.g. {sorted(repeated)[:5]})")
+
+
+# ----------------------------------------------------------------------------- tests
+
+def test_runs_are_deterministic_and_cover_the_corpus_once(runs):
+    _, saved, _, refs = runs
+    for name, (dp, ranks, _, step) in SAVED.items():
+        _assert_same_tokens(Counter(real(b for rank in refs[name] for b in rank)), ALL_TOKENS, f"{name} epoch")
+        for rank, dp_rank in enumerate(ranks):  # batches before the save match the uninterrupted run
+            assert saved[rank][name]["before"] == refs[name][dp_rank][:step], (name, rank)
+
+
+def test_checkpoint_holds_replicated_part_once_and_one_item_per_dp_rank_and_worker(runs):
+    root, *_ = runs
+    for name, (dp, _, workers, _) in SAVED.items():
+        md = bcp.inspect(os.path.join(root, name))
+        assert md.objects["dataloader.layout.dp_size"].encoded == dp
+        units = {k: v for k, v in md.sharded_objects.items() if k.startswith("dataloader.units.")}
+        assert sorted(units) == [f"dataloader.units.{w}" for w in range(max(workers, 1))]
+        for meta in units.values():  # TP duplicates were written once
+            assert meta.grid == (dp,) and [p.index for p in meta.shards] == [(d,) for d in range(dp)]
+    # the token buffers being split and merged are not trivially empty
+    for name in SAVED:
+        every = {"dataloader": {"units": {"0": ObjectShard(None, None)}}}
+        bcp.load(os.path.join(root, name), every, strict=False)
+        reader = every["dataloader"]["units"]["0"].value
+        assert sum(len(reader[i]["buffer"]) for i in reader.indices) > 0, name
+
+
+@pytest.mark.parametrize("case", [c for c in RESUMES], ids=case_id)
+def test_resume_delivers_every_remaining_token_exactly_once(runs, case):
+    _, saved, resumed, refs = runs
+    name, new_dp, _, ranks = case
+    old_dp, _, _, step = SAVED[name]
+    want = Counter(real(b for rank in refs[name] for b in rank[step:]))
+    got_batches = [b for r, dp_rank in enumerate(ranks) if dp_rank is not None
+                   and ranks.index(dp_rank) == r for b in resumed[r][case_id(case)]]
+    if name == "dp2" and new_dp == 3:
+        mid = [b for r in range(3) for b in resumed[r]["chain_mid"]]
+        got_batches += mid
+        # the chain: the DP-3 job saved again after CHAIN_STEPS batches; resume that at DP 1
+        chain = make(0, 1)
+        bcp.load(os.path.join(runs[0], "chain"), {"dataloader": chain})
+        _assert_same_tokens(Counter(real(mid + drain(chain))), want, "dp2->dp3->dp1 chain")
+    _assert_same_tokens(Counter(real(got_batches)), want, f"{case_id(case)} after step {step}")
+    before = Counter(real(b for r, d in enumerate(SAVED[name][1]) if SAVED[name][1].index(d) == r
+                          for b in saved[r][name]["before"]))
+    _assert_same_tokens(before + Counter(real(got_batches)), ALL_TOKENS, f"{case_id(case)} whole epoch")
+
+
+def test_ranks_with_the_same_dp_rank_get_copies_and_continue_identically(runs):
+    _, _, resumed, refs = runs
+    for case in [c for c in RESUMES if c[1] == SAVED[c[0]][0] and c[2] == SAVED[c[0]][2]]:
+        name, _, _, ranks = case
+        step = SAVED[name][3]
+        for r, dp_rank in enumerate(ranks):
+            assert resumed[r][case_id(case)] == refs[name][dp_rank][step:], (case_id(case), r)
+
+
+def test_workers_prefetch_state_for_the_checkpoint_step(runs):
+    _, saved, _, _ = runs
+    for rank in range(4):  # step 6 is a multiple of the interval: both workers had it ready
+        assert saved[rank]["dp2w2"]["stats"]["prefetched"] == 2
+        assert saved[rank]["dp2w2"]["stats"]["on_demand"] == 0
+
+
+def test_prefetched_state_equals_state_collected_on_demand():
+    ahead, asked = make(0, 2, 2, checkpoint_interval=4), make(0, 2, 2)
+    try:
+        for _ in range(2):
+            assert drain(ahead, 4) == drain(asked, 4)
+            a, b = ahead.state_dict(), asked.state_dict()
+            assert ahead.stats["prefetched"] > 0 and asked.stats["on_demand"] > 0
+            for w in ("0", "1"):
+                ua, ub = a["units"][w].value, b["units"][w].value
+                assert ua["docs"] == ub["docs"] and ua["draws"] == ub["draws"]
+                assert np.array_equal(ua["buffer"], ub["buffer"])
+    finally:
+        ahead.close()
+        asked.close()
+
+
+def test_opaque_loader_restores_at_same_dp_and_refuses_to_reshard(runs):
+    root, saved, _, _ = runs
+    for rank in range(4):
+        assert saved[rank]["opaque"]["resumed"] == saved[rank]["opaque"]["expected"]
+        assert saved[rank]["opaque"]["expected"]  # something was left to deliver
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    other = OpaqueLoader(StatefulDataLoader(list(range(10)), batch_size=2), 0, 2)
+    with pytest.raises(LoaderStateError, match="saved at data-parallel degree 4 and this job has 2"):
+        bcp.load(os.path.join(root, "opaque"), {"dataloader": other})
+
+
+def test_loader_state_mismatches_fail_clearly(runs):
+    root, *_ = runs
+    other_sources = PackedTokenLoader({"web": corpus()["web"]}, SEQ, BATCH, seed=7)
+    with pytest.raises(LoaderStateError, match="sources must be the same"):
+        bcp.load(os.path.join(root, "dp2"), {"dataloader": other_sources})
+    other_seed = PackedTokenLoader(corpus(), SEQ, BATCH, seed=8, weights=WEIGHTS)
+    with pytest.raises(LoaderStateError, match="seed=7"):
+        bcp.load(os.path.join(root, "dp2"), {"dataloader": other_seed})
+    with pytest.raises(LoaderStateError, match="format 'bcp.OpaqueLoader/1'"):
+        bcp.load(os.path.join(root, "opaque"), {"dataloader": make(0, 4)})
+
+
+def test_in_memory_state_dict_round_trip_and_reshard_refusal():
+    loader = make(1, 2)
+    drain(loader, 3)
+    sd = loader.state_dict()
+    rest = drain(loader)
+    again = make(1, 2)
+    again.load_state_dict(sd)
+    assert drain(again) == rest
+    with pytest.raises(LoaderStateError, match="holds DP rank \\(1,\\) only"):
+        make(0, 3).load_state_dict(sd)
+
+
+def test_unit_overlaps_partition_the_saved_units():
+    for old_n in range(1, 9):
+        for new_n in range(1, 9):
+            covered = {u: Fraction(0) for u in range(old_n)}
+            last = {u: Fraction(0) for u in range(old_n)}
+            for j in range(new_n):
+                for u, lo, hi in unit_overlaps(j, old_n, new_n):
+                    assert lo == last[u] and lo < hi  # contiguous, in order
+                    last[u] = hi
+                    covered[u] += hi - lo
+            assert all(c == 1 for c in covered.values()), (old_n, new_n)
