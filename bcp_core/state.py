@@ -367,7 +367,11 @@ def load_targets(state: dict, md: CheckpointMetadata, adapter: ModuleAdapter) ->
         elif isinstance(v, ObjectShard):
             out.targets[fqn] = LoadTarget(fqn, per_rank, set_value=setter, shard=v)
         elif _is_stateful(v):
-            sd = v.state_dict()
+            # An object whose saved layout may differ from its own (a dataloader saved at another
+            # DP degree) names what to load in `bcp_load_template()`; the checkpoint's other keys
+            # below it are filled in as for any container, then the dict goes to load_state_dict.
+            template = getattr(v, "bcp_load_template", None)
+            sd = template() if callable(template) else v.state_dict()
             out.containers.append((fqn, sd))
             add_dict(fqn, sd, per_rank, sd)
             out.finishers.append(lambda obj=v, sd=sd: obj.load_state_dict(sd))
