@@ -378,3 +378,42 @@ def test_load_into_other_layouts(saved, world_size):
             assert resumed == uninterrupted, f"{name}->{layout}: {resumed} != {uninterrupted}"
         else:
             assert resumed == pytest.approx(uninterrupted, rel=1e-4), f"{name}->{layout}"
+
+
+# ----------------------------------------------------------------------------- single-process
+
+def test_range_boxes_cover_exactly_the_range_as_contiguous_runs():
+    """Every run [start, stop) of a row-major tensor splits into <= 2*ndim-1 contiguous boxes."""
+    from bcp_core.fsdp import range_boxes
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7,), (5, 3), (4, 1, 6), (3, 4, 5), (2, 3, 2, 4), (1, 9), (6, 1)]
+    for shape in shapes:
+        numel = torch.Size(shape).numel()
+        ref = torch.arange(numel).reshape(shape)
+        for _ in range(60):
+            start, stop = sorted(torch.randint(0, numel + 1, (2,), generator=g).tolist())
+            boxes = range_boxes(shape, start, stop)
+            assert len(boxes) <= 2 * len(shape) - 1, (shape, start, stop, boxes)
+            seen = []
+            for offs, lens, first in boxes:
+                part = ref
+                for d, (o, n) in enumerate(zip(offs, lens)):
+                    part = part.narrow(d, o, n)
+                flat = part.reshape(-1).tolist()
+                assert flat == list(range(first, first + len(flat))), (shape, offs, lens, first)
+                seen += flat
+            assert sorted(seen) == list(range(start, stop)), (shape, start, stop, boxes)
+    assert range_boxes((), 0, 1) == [((), (), 0)]
+    assert range_boxes((4, 4), 3, 3) == []
+
+
+def test_unsupported_torch_version_is_refused_clearly(monkeypatch):
+    from bcp_core.errors import BCPError
+    from bcp_core.fsdp import check_torch_version
+    monkeypatch.delenv("BCP_FSDP1_ANY_TORCH", raising=False)
+    for version in ("2.3.1", "2.99.0", "3.0.0"):
+        with pytest.raises(BCPError, match=f"torch {version}.*FSDP2"):
+            check_torch_version(version)
+    check_torch_version("2.13.0")
+    monkeypatch.setenv("BCP_FSDP1_ANY_TORCH", "1")
+    check_torch_version("2.99.0")
