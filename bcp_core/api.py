@@ -192,7 +192,7 @@ class ShardReader:
             raise KeyMismatchError(f"sharded object {self.fqn!r} has no shard at index {tuple(index)} "
                                    f"(grid {self.grid}, saved {len(self.indices)} shards)")
         what = f"shard {list(p.index)} of {self.fqn!r}"
-        data = read_verified(self._st, self._md.files[p.file], p.byte_offset, p.nbytes, p.crc32,
+        data = read_verified(self._st, self._md.files[p.file], p.byte_offset, p.nbytes, p.checksums,
                              self._md.checksum_block_bytes, what, self._verify)
         try:
             raw = json.loads(data)

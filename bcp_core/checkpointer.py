@@ -262,7 +262,7 @@ class Checkpointer:
                                            _tensor_digest(it.tensor)]
             report = {"kind": "report", "key": plan.key, "objects": plan.values["objects"], "per_rank": per_rank,
                       "shard_digests": plan.values["shard_digests"],
-                      "pieces": [[w.key, w.file, w.byte_offset, w.nbytes, w.crc32] for w in written]}
+                      "pieces": [[w.key, w.file, w.byte_offset, w.nbytes, w.checksums] for w in written]}
         except Exception as e:  # noqa: BLE001 - reported to the coordinator
             report = {"kind": "report", "error": f"rank {comm.rank}: {type(e).__name__}: {e}"}
         finally:
@@ -399,7 +399,7 @@ def _commit_metadata(job: _Job, reports: list[dict], world_size: int) -> Checkpo
                     p = rank_tensor[(fqn, rank)]
                     shape = tuple(v[1])
                     variants.append(TensorMeta(dtype_from_name(v[0]), shape, (Piece(
-                        (0,) * len(shape), shape, p.file, p.byte_offset, p.nbytes, p.crc32, rank),)))
+                        (0,) * len(shape), shape, p.file, p.byte_offset, p.nbytes, p.checksums, rank),)))
                 else:
                     variants.append(ObjectValue(v))
             ranks.append(ids[ident])

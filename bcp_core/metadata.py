@@ -21,6 +21,7 @@ FORMAT_VERSION = 1
 METADATA_FILE = "bcp_metadata.json"
 TRACKER_FILE = "latest"
 CHECKSUM_BLOCK_BYTES = 4 << 20
+CHECKSUM_ALGORITHM = "xxh3_64"
 
 _DTYPES: dict[str, torch.dtype] = {
     name: dt
@@ -65,13 +66,13 @@ class Piece:
     file: int
     byte_offset: int
     nbytes: int
-    crc32: tuple[int, ...]
+    checksums: tuple[int, ...]
     rank: int
 
     def to_json(self) -> dict:
         return {
             "offsets": list(self.offsets), "lengths": list(self.lengths), "file": self.file,
-            "byte_offset": self.byte_offset, "nbytes": self.nbytes, "crc32": list(self.crc32),
+            "byte_offset": self.byte_offset, "nbytes": self.nbytes, "checksums": list(self.checksums),
             "rank": self.rank,
         }
 
@@ -119,12 +120,12 @@ class ObjectPiece:
     file: int
     byte_offset: int
     nbytes: int
-    crc32: tuple[int, ...]
+    checksums: tuple[int, ...]
     rank: int
 
     def to_json(self) -> dict:
         return {"index": list(self.index), "file": self.file, "byte_offset": self.byte_offset,
-                "nbytes": self.nbytes, "crc32": list(self.crc32), "rank": self.rank}
+                "nbytes": self.nbytes, "checksums": list(self.checksums), "rank": self.rank}
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,7 @@ class CheckpointMetadata:
             "version": self.version,
             "world_size": self.world_size,
             "framework": self.framework,
-            "checksum": {"algorithm": "crc32", "block_bytes": self.checksum_block_bytes},
+            "checksum": {"algorithm": CHECKSUM_ALGORITHM, "block_bytes": self.checksum_block_bytes},
             "files": list(self.files),
             "tensors": {k: t.to_json() for k, t in self.tensors.items()},
             "objects": {k: o.encoded for k, o in self.objects.items()},
@@ -239,7 +240,7 @@ def _parse_tensor(fqn: str, raw: Any, n_files: int, block: int, source: str) -> 
         nbytes = _int(p.get("nbytes"), source, f"{pw} nbytes")
         _need(nbytes == math.prod(lengths) * esize, source,
               f"{pw} nbytes={nbytes} does not match lengths {lengths} of {dtype}")
-        crc = _ints(p.get("crc32"), source, f"{pw} crc32", max_len=1 << 30)
+        crc = _ints(p.get("checksums"), source, f"{pw} checksums", max_len=1 << 30)
         _need(len(crc) == num_blocks(nbytes, block), source,
               f"{pw} has {len(crc)} checksums for {nbytes} bytes in blocks of {block}")
         pieces.append(Piece(offsets, lengths, _int(p.get("file"), source, f"{pw} file"),
@@ -264,7 +265,8 @@ def _parse(raw: Any, source: str) -> CheckpointMetadata:
             f"{source} uses format version {version}, newer than the {FORMAT_VERSION} this bcp reads; "
             "upgrade bcp to load it")
     ck = raw.get("checksum")
-    _need(isinstance(ck, dict) and ck.get("algorithm") == "crc32", source, "checksum.algorithm must be crc32")
+    _need(isinstance(ck, dict) and ck.get("algorithm") == CHECKSUM_ALGORITHM, source,
+          f"checksum.algorithm must be {CHECKSUM_ALGORITHM}")
     block = _int(ck.get("block_bytes"), source, "checksum.block_bytes", lo=16)
     _need(block % 16 == 0, source, "checksum.block_bytes must be a multiple of 16")
     files_raw = raw.get("files")
@@ -319,7 +321,7 @@ def _parse_sharded_object(fqn: str, raw: Any, n_files: int, block: int, source: 
         _need(index not in seen, source, f"{pw} index {index} saved twice")
         seen.add(index)
         nbytes = _int(p.get("nbytes"), source, f"{pw} nbytes")
-        crc = _ints(p.get("crc32"), source, f"{pw} crc32", max_len=1 << 30)
+        crc = _ints(p.get("checksums"), source, f"{pw} checksums", max_len=1 << 30)
         _need(len(crc) == num_blocks(nbytes, block), source, f"{pw} has {len(crc)} checksums for {nbytes} bytes")
         piece = ObjectPiece(index, _int(p.get("file"), source, f"{pw} file"),
                             _int(p.get("byte_offset"), source, f"{pw} byte_offset"), nbytes, crc,

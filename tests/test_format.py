@@ -23,7 +23,7 @@ def test_metadata_and_data_files_match_the_spec(tmp_path):
     ck = tmp_path / "step_00000003"
     raw = json.loads((ck / "bcp_metadata.json").read_text())
     assert raw["format"] == "bcp" and raw["version"] == bcp.FORMAT_VERSION
-    assert raw["checksum"] == {"algorithm": "crc32", "block_bytes": 4 << 20}
+    assert raw["checksum"] == {"algorithm": "xxh3_64", "block_bytes": 4 << 20}
     w = raw["tensors"]["t.w"]
     assert w["dtype"] == "float32" and w["shape"] == [3, 4]
     (piece,) = w["pieces"]

@@ -1,0 +1,254 @@
+"""bcp vs PyTorch DCP on the same sharded state, in one run, with the physical floors.
+
+    python bench/compare.py [--gib 1.0] [--ranks 2] [--dir /tmp/bcp_bench] [--json out.json]
+
+Every rank holds its shard of a set of FSDP-style Shard(0) DTensors (GIB in all). Measured, as
+the slowest rank (wall time between barriers):
+
+- floors: a plain `copy_` of the local shards into preallocated memory (any copying snapshot's
+  floor), an fsync'd sequential write of the same bytes (the disk's floor), and a read of those
+  bytes back from the page cache (the load floor);
+- save stall (time until training may continue) of an asynchronous save, first and steady
+  state: bcp `save(async_save=True)`, DCP `async_save` as shipped, and DCP `async_save` with a
+  cached staging stager (its best configuration on CPU);
+- end-to-end save (durable): bcp `save`, DCP `save`;
+- load into the same layout and into a different one (Shard(1)): bcp `load`, DCP `load`;
+- peak RSS of each system's run (separate processes).
+
+Prints a JSON table with the ratios the issue asks for. No assertion: this is a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+N_TENSORS = 16
+
+
+def _state(gib: float, placement: str):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    ws = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (ws,))
+    numel = int(gib * (1 << 30) / 4 / N_TENSORS)
+    cols = 1024
+    rows = max(ws, numel // cols)
+    out = {}
+    for i in range(N_TENSORS):
+        torch.manual_seed(i)
+        local_rows = rows // ws
+        # build the shard directly (no full tensor per rank): DTensor.from_local of Shard(0) pieces
+        from torch.distributed.tensor import DTensor
+        local = torch.randn(local_rows, cols)
+        dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+        if placement == "shard1":
+            dt = distribute_tensor(torch.zeros(local_rows * ws, cols), mesh, [Shard(1)])
+        out[f"layer{i}.weight"] = dt
+    return out
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    t = time.perf_counter()
+    fn()
+    dist.barrier()
+    return _max(time.perf_counter() - t)
+
+
+def _max(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _stall_then_wait(save_fn) -> float:
+    """Time until save_fn returns (the stall); then wait for completion outside the timing."""
+    dist.barrier()
+    t = time.perf_counter()
+    waiter = save_fn()
+    stall = time.perf_counter() - t
+    waiter()
+    dist.barrier()
+    return _max(stall)
+
+
+def _floors(gib, root):
+    rank = dist.get_rank()
+    state = _state(gib, "shard0")
+    locals_ = [t.to_local() for t in state.values()]
+    dst = [torch.empty_like(t) for t in locals_]
+    copy_first = _timed(lambda: [d.copy_(s) for d, s in zip(dst, locals_)])
+    copy_steady = _timed(lambda: [d.copy_(s) for d, s in zip(dst, locals_)])
+    path = os.path.join(root, f"floor_r{rank}.bin")
+
+    def write():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        for t in locals_:
+            mv = memoryview(t.view(-1).view(torch.uint8).numpy())
+            while len(mv):
+                mv = mv[os.write(fd, mv):]
+        os.fsync(fd)
+        os.close(fd)
+
+    write_s = _timed(write)
+
+    def read():
+        fd = os.open(path, os.O_RDONLY)
+        off = 0
+        for d in dst:
+            mv = memoryview(d.view(-1).view(torch.uint8).numpy())
+            off += os.preadv(fd, [mv], off)
+        os.close(fd)
+
+    read_s = _timed(read)
+    return {"copy_first_s": copy_first, "copy_s": copy_steady, "disk_write_s": write_s,
+            "page_cache_read_s": read_s}
+
+
+def _bcp(gib, root):
+    import bcp_core as bcp
+
+    state = _state(gib, "shard0")
+    out = {}
+    path = os.path.join(root, "bcp_async")
+    stalls = [_stall_then_wait(lambda k=k: bcp.save(path, state, step=k, async_save=True, role="bench").wait)
+              for k in range(3)]
+    out["stall_first_s"], out["stall_steady_s"] = stalls[0], min(stalls[1:])
+    e2e = [_timed(lambda k=k: bcp.save(os.path.join(root, "bcp_sync"), state, step=k, role="bench-sync"))
+           for k in range(2)]
+    out["save_first_s"], out["save_s"] = e2e[0], min(e2e[1:])
+    target = _state(gib, "shard0")
+    out["load_s"] = min(_timed(lambda: bcp.load(os.path.join(root, "bcp_sync"), target)) for _ in range(2))
+    assert all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(state.values(), target.values()))
+    resharded = _state(gib, "shard1")
+    out["load_resharded_s"] = min(_timed(lambda: bcp.load(os.path.join(root, "bcp_sync"), resharded))
+                                  for _ in range(2))
+    out["peak_rss_mib"] = _max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    return out
+
+
+def _dcp(gib, root):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    state = _state(gib, "shard0")
+    out = {}
+    stalls = []
+    for k in range(3):
+        path = os.path.join(root, f"dcp_async_{k}")
+        stalls.append(_stall_then_wait(lambda p=path: dcp.async_save(state, checkpoint_id=p).result))
+    out["stall_first_s"], out["stall_steady_s"] = stalls[0], min(stalls[1:])
+    # best configuration on CPU: a stager that caches its staging copies across saves
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                          use_async_staging=False, use_non_blocking_copy=False))
+    stalls = []
+    for k in range(3):
+        path = os.path.join(root, f"dcp_best_{k}")
+
+        def go(p=path):
+            resp = dcp.async_save(state, checkpoint_id=p, async_stager=stager)
+            fut = resp.upload_completion if hasattr(resp, "upload_completion") else resp
+            return fut.result
+        stalls.append(_stall_then_wait(go))
+    stager.close()
+    out["best_stall_first_s"], out["best_stall_steady_s"] = stalls[0], min(stalls[1:])
+    e2e = [_timed(lambda k=k: dcp.save(state, checkpoint_id=os.path.join(root, f"dcp_sync_{k}")))
+           for k in range(2)]
+    out["save_first_s"], out["save_s"] = e2e[0], min(e2e[1:])
+    target = _state(gib, "shard0")
+    out["load_s"] = min(_timed(lambda: dcp.load(target, checkpoint_id=os.path.join(root, "dcp_sync_1")))
+                        for _ in range(2))
+    assert all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(state.values(), target.values()))
+    resharded = _state(gib, "shard1")
+    out["load_resharded_s"] = min(_timed(lambda: dcp.load(resharded, checkpoint_id=os.path.join(root, "dcp_sync_1")))
+                                  for _ in range(2))
+    out["peak_rss_mib"] = _max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    return out
+
+
+def _worker(rank, ws, port, what, gib, root, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=ws, timeout=timedelta(minutes=20))
+    try:
+        res = {"floors": _floors, "bcp": _bcp, "dcp": _dcp}[what](gib, root)
+        if rank == 0:
+            queue.put(res)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(what, ranks, gib, root):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_worker, args=(r, ranks, port, what, gib, root, queue)) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    res = queue.get(timeout=3600)
+    for p in procs:
+        p.join()
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gib", type=float, default=1.0, help="total state size in GiB (default 1)")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir, removed after)")
+    ap.add_argument("--json", default=None, help="also write the table to this file")
+    args = ap.parse_args()
+    root = args.dir or tempfile.mkdtemp(prefix="bcp_bench_")
+    os.makedirs(root, exist_ok=True)
+    try:
+        floors = _run("floors", args.ranks, args.gib, root)
+        bcp_r = _run("bcp", args.ranks, args.gib, root)
+        dcp_r = _run("dcp", args.ranks, args.gib, root)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    table = {
+        "config": {"gib": args.gib, "ranks": args.ranks, "torch": torch.__version__, "cpus": os.cpu_count()},
+        "floors": floors, "bcp": bcp_r, "dcp": dcp_r,
+        "ratios": {
+            "stall_steady_bcp_over_copy": bcp_r["stall_steady_s"] / floors["copy_s"],
+            "stall_steady_bcp_over_dcp": bcp_r["stall_steady_s"] / dcp_r["stall_steady_s"],
+            "stall_steady_bcp_over_dcp_best": bcp_r["stall_steady_s"] / dcp_r["best_stall_steady_s"],
+            "stall_first_bcp_over_dcp": bcp_r["stall_first_s"] / dcp_r["stall_first_s"],
+            "stall_first_bcp_over_dcp_best": bcp_r["stall_first_s"] / dcp_r["best_stall_first_s"],
+            "save_bw_bcp_over_disk": floors["disk_write_s"] / bcp_r["save_s"],
+            "save_speedup_vs_dcp": dcp_r["save_s"] / bcp_r["save_s"],
+            "load_speedup_vs_dcp": dcp_r["load_s"] / bcp_r["load_s"],
+            "load_bcp_over_page_cache": bcp_r["load_s"] / floors["page_cache_read_s"],
+            "resharded_load_speedup_vs_dcp": dcp_r["load_resharded_s"] / bcp_r["load_resharded_s"],
+            "resharded_load_bcp_over_page_cache": bcp_r["load_resharded_s"] / floors["page_cache_read_s"],
+        },
+        "bandwidth_gib_s": {"disk_write": args.gib / floors["disk_write_s"], "bcp_save": args.gib / bcp_r["save_s"],
+                            "dcp_save": args.gib / dcp_r["save_s"]},
+    }
+    text = json.dumps(table, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
