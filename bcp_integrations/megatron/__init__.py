@@ -1,0 +1,18 @@
+"""bcp for Megatron-core / Megatron-LM (docs/megatron.md).
+
+Importing this package registers the `("bcp", 1)` dist_checkpointing backend, so
+`dist_checkpointing.load` finds bcp checkpoints by their `metadata.json` and
+`dist_checkpointing.save(..., sharded_strategy=("bcp", 1))` writes them.
+"""
+
+from .adapter import (build_factories, flat_range_sharded_tensors, load_state, merge_factories,
+                      row_major_boxes, save_state)
+from .strategy import BACKEND, VERSION, BcpLoadShardedStrategy, BcpSaveShardedStrategy, register_strategies
+
+register_strategies()
+
+__all__ = [
+    "BACKEND", "VERSION", "BcpSaveShardedStrategy", "BcpLoadShardedStrategy", "register_strategies",
+    "save_state", "load_state", "build_factories", "merge_factories", "flat_range_sharded_tensors",
+    "row_major_boxes",
+]

@@ -1,0 +1,340 @@
+"""Megatron sharded state dicts <-> bcp state.
+
+Megatron describes each rank's share of the training state as a nested dict (and lists) whose
+leaves are `ShardedTensor`s, `ShardedObject`s, `ShardedTensorFactory`s, `LocalNonpersistentObject`s
+and plain values. bcp wants a flat dict keyed by FQN whose tensor values know their boxes in the
+global tensor. The mapping:
+
+* `ShardedTensor` -> one box of the bcp tensor named by its `key`. The global shape already holds
+  the prepended axes (`prepend_axis_num`, e.g. the layer axis of stacked transformer layers); the
+  box has length 1 on those axes, so the local data is viewed with them unsqueezed. Several
+  ShardedTensors with one key on one rank (Megatron emits that for distributed-optimizer buckets,
+  and `flat_range_sharded_tensors` does for flat slices) become one `ShardedView` with several boxes.
+  Replicas (`replica_id` not all zero) are boxes identical to the main replica's, so the planner
+  writes each box once, from the least-loaded holder.
+* `ShardedObject` -> an `ObjectShard` at index `global_offset` of grid `global_shape`, named by
+  Megatron's `unique_key` (`<key>/shard_<offset>_<shape>`): one rank often holds several shards
+  of one key (a `_extra_state` per stacked layer), and bcp names one shard per rank and name.
+  Only the main replica is saved.
+* `ShardedTensorFactory` -> built before saving and merged after loading.
+* `LocalNonpersistentObject` -> not saved; unwrapped on load.
+
+Plain values never reach a strategy (Megatron puts them in `common.pt`); when the helpers here are
+used directly, they are saved as bcp values.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject, ShardedObject,
+                                                      ShardedTensor, ShardedTensorFactory, is_main_replica)
+
+from bcp_core.errors import BCPError, ShapeMismatchError
+from bcp_core.shards import Box, ObjectShard, ShardedView
+
+# io.BytesIO (Transformer Engine's `_extra_state`) has no place in bcp's safe codec; it travels as
+# bytes inside this one-key dict and is turned back into a BytesIO on load.
+_BYTESIO_TAG = "__megatron_bytesio__"
+
+Path = tuple  # the keys / list indices leading to a leaf of a nested sharded state dict
+
+
+def iter_leaves(tree: Any, path: Path = ()):
+    """(path, leaf) for every non-container leaf of nested dicts and lists, in a stable order."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from iter_leaves(v, (*path, k))
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from iter_leaves(v, (*path, i))
+    else:
+        yield path, tree
+
+
+def map_leaves(tree: Any, fn):
+    """A copy of nested dicts and lists with every leaf replaced by fn(path, leaf)."""
+    def walk(node, path):
+        if isinstance(node, dict):
+            return {k: walk(v, (*path, k)) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v, (*path, i)) for i, v in enumerate(node)]
+        return fn(path, node)
+    return walk(tree, ())
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _where(path: Path) -> str:
+    return "/".join(map(str, path)) or "<root>"
+
+
+def box_of(sh: ShardedTensor, data: torch.Tensor) -> Box:
+    """The box of the global tensor that `sh` describes, viewing `data` (local shape) in it."""
+    p = sh.prepend_axis_num
+    lengths = (1,) * p + tuple(sh.local_shape)
+    if tuple(data.shape) != tuple(sh.local_shape):
+        raise ShapeMismatchError(f"ShardedTensor {sh.key!r} on rank {_rank()}: data has shape "
+                                 f"{tuple(data.shape)}, local_shape is {tuple(sh.local_shape)}")
+    if len(lengths) != len(sh.global_shape) or len(sh.global_offset) != len(sh.global_shape):
+        raise ShapeMismatchError(f"ShardedTensor {sh.key!r} on rank {_rank()}: global shape "
+                                 f"{tuple(sh.global_shape)}, offset {tuple(sh.global_offset)}, local shape "
+                                 f"{tuple(sh.local_shape)} with {p} prepended axes do not agree")
+    for d, (o, n, g) in enumerate(zip(sh.global_offset, lengths, sh.global_shape)):
+        if o < 0 or o + n > g:
+            raise ShapeMismatchError(f"ShardedTensor {sh.key!r} on rank {_rank()}: axis {d} covers "
+                                     f"[{o}, {o + n}) outside the global size {g}")
+    view = data
+    for _ in range(p):  # a view, never a copy: loading writes through it into `data`
+        view = view.unsqueeze(0)
+    return Box(tuple(sh.global_offset), lengths, view)
+
+
+def _check_flat(sh: ShardedTensor) -> None:
+    if sh.flattened_range is not None:
+        raise BCPError(f"ShardedTensor {sh.key!r} has a flattened_range, which Megatron-core 0.16 "
+                       "removed; describe flat slices with bcp_integrations.megatron."
+                       "flat_range_sharded_tensors instead")
+
+
+def _encode_object(value: Any) -> Any:
+    if isinstance(value, io.BytesIO):
+        return {_BYTESIO_TAG: value.getvalue()}
+    return value
+
+
+def _decode_object(value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {_BYTESIO_TAG}:
+        return io.BytesIO(value[_BYTESIO_TAG])
+    return value
+
+
+def build_factories(sharded_state_dict: dict) -> tuple[dict, dict]:
+    """(state with factories built, the factories by path) — merge them back with `merge_factories`."""
+    factories = {p: v for p, v in iter_leaves(sharded_state_dict) if isinstance(v, ShardedTensorFactory)}
+    if not factories:
+        return sharded_state_dict, {}
+    return map_leaves(sharded_state_dict,
+                      lambda p, v: v.build() if isinstance(v, ShardedTensorFactory) else v), factories
+
+
+def merge_factories(loaded: dict, factories: dict) -> dict:
+    """Replace each factory's loaded sub-tree by its merged tensor (inverse of `build_factories`)."""
+    for path, fac in factories.items():
+        node = loaded
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = fac.merge_fn(node[path[-1]])
+    return loaded
+
+
+# ----------------------------------------------------------------------------- save
+
+def save_state(sharded_state_dict: dict) -> dict:
+    """The bcp state (flat, FQN = Megatron key) for saving a sharded state dict (factories built)."""
+    boxes: dict[str, list[Box]] = {}
+    shape_of: dict[str, tuple] = {}
+    state: dict[str, Any] = {}
+    for path, v in iter_leaves(sharded_state_dict):
+        if isinstance(v, ShardedTensorFactory):
+            raise BCPError(f"{_where(path)}: ShardedTensorFactory {v.key!r} was not built; call "
+                           "build_factories first")
+        if isinstance(v, LocalNonpersistentObject):
+            continue
+        if isinstance(v, ShardedTensor):
+            _check_flat(v)
+            if v.data is None:
+                raise BCPError(f"ShardedTensor {v.key!r} at {_where(path)} on rank {_rank()} has no data")
+            _claim(shape_of, v.key, (tuple(v.global_shape), v.dtype), path)
+            if v.data.dtype != v.dtype:
+                raise ShapeMismatchError(f"ShardedTensor {v.key!r} on rank {_rank()}: data dtype "
+                                         f"{v.data.dtype} differs from its dtype {v.dtype}")
+            boxes.setdefault(v.key, []).append(box_of(v, v.data.detach()))
+        elif isinstance(v, ShardedObject):
+            if not is_main_replica(v.replica_id):
+                # Unlike tensor replicas, object replicas may differ (e.g. per-TP-rank extra state);
+                # Megatron keeps the main one, and so must we, or the planner sees a conflict.
+                continue
+            _claim(shape_of, v.unique_key, ("object",), path)
+            state[v.unique_key] = ObjectShard(_encode_object(v.data), tuple(v.global_offset),
+                                              tuple(v.global_shape))
+        else:
+            key = ".".join(map(str, path))
+            _claim(shape_of, key, ("value",), path)
+            state[key] = v
+    for key, bs in boxes.items():
+        gshape, dtype = shape_of[key]
+        state[key] = ShardedView(gshape, dtype, _dedup_local(bs))
+    return state
+
+
+def _claim(seen: dict, key: str, what: tuple, path: Path) -> None:
+    """Every leaf of one key on this rank must describe the same global thing."""
+    prev = seen.setdefault(key, what)
+    if prev != what:
+        raise BCPError(f"key {key!r} is used on rank {_rank()} for different things: {prev} and {what} "
+                       f"(second at {_where(path)})")
+
+
+def _dedup_local(boxes: list[Box]) -> list[Box]:
+    """A rank holding the same box twice (shared/tied weights listed twice) saves it once."""
+    out, seen = [], set()
+    for b in boxes:
+        if (b.offsets, b.lengths) not in seen:
+            seen.add((b.offsets, b.lengths))
+            out.append(b)
+    return out
+
+
+# ----------------------------------------------------------------------------- load
+
+@dataclass
+class LoadPlan:
+    """The bcp state to load into, and how to rebuild Megatron's loaded state dict from it."""
+
+    state: dict
+    tensors: dict[Path, torch.Tensor] = field(default_factory=dict)
+    objects: dict[Path, tuple[str, ObjectShard]] = field(default_factory=dict)
+    values: dict[Path, str] = field(default_factory=dict)   # plain values, by their bcp key
+
+    def result(self, sharded_state_dict: dict) -> dict:
+        """The sharded state dict with each leaf replaced by what was loaded for it."""
+        def fill(path, v):
+            if isinstance(v, ShardedTensor):
+                return self.tensors[path]
+            if isinstance(v, ShardedObject):
+                return _decode_object(self.objects[path][1].value)
+            if isinstance(v, LocalNonpersistentObject):
+                return v.unwrap()
+            if path in self.values:
+                return self.state[self.values[path]]
+            return v
+        return map_leaves(sharded_state_dict, fill)
+
+
+def load_state(sharded_state_dict: dict, saved_shapes: dict[str, tuple] | None = None) -> LoadPlan:
+    """The bcp state for loading a sharded state dict (factories built) in place.
+
+    ShardedTensors with data are loaded into it in place (what torch_dist does too); those without
+    get a new tensor. `saved_shapes` (key -> saved global shape) serves `allow_shape_mismatch`
+    tensors: only the part inside both shapes is read, the rest is zeroed.
+    """
+    plan = LoadPlan({})
+    boxes: dict[str, list[Box]] = {}
+    shape_of: dict[str, tuple] = {}
+    for path, v in iter_leaves(sharded_state_dict):
+        if isinstance(v, ShardedTensorFactory):
+            raise BCPError(f"{_where(path)}: ShardedTensorFactory {v.key!r} was not built; call "
+                           "build_factories first")
+        if isinstance(v, LocalNonpersistentObject):
+            continue
+        if isinstance(v, ShardedTensor):
+            _check_flat(v)
+            # detach: parameters require grad, and loading writes into their storage in place
+            data = v.data.detach() if v.data is not None else torch.empty(v.local_shape, dtype=v.dtype)
+            plan.tensors[path] = data
+            gshape = tuple(v.global_shape)
+            box = box_of(v, data)
+            if v.allow_shape_mismatch:
+                if saved_shapes is None or v.key not in saved_shapes:
+                    raise BCPError(f"ShardedTensor {v.key!r} allows a shape mismatch but its saved shape "
+                                   "is unknown")
+                gshape, box = _clip(box, saved_shapes[v.key], data)
+                if box is None:
+                    continue
+            _claim(shape_of, v.key, (gshape, v.dtype), path)
+            boxes.setdefault(v.key, []).append(box)
+        elif isinstance(v, ShardedObject):
+            _claim(shape_of, v.unique_key, ("object",), path)
+            shard = ObjectShard(None, tuple(v.global_offset), tuple(v.global_shape))
+            plan.state[v.unique_key] = shard
+            plan.objects[path] = (v.unique_key, shard)
+        else:
+            key = ".".join(map(str, path))
+            plan.state[key] = v
+            plan.values[path] = key
+    for key, bs in boxes.items():
+        gshape, dtype = shape_of[key]
+        plan.state[key] = ShardedView(gshape, dtype, _dedup_local(bs))
+    return plan
+
+
+def _clip(box: Box, saved_shape: tuple, data: torch.Tensor):
+    """For allow_shape_mismatch: the box restricted to the saved tensor (data zeroed outside it)."""
+    data.zero_()
+    offs, lens, view = [], [], box.view
+    for d, (o, n, g) in enumerate(zip(box.offsets, box.lengths, saved_shape)):
+        n = min(n, g - o)
+        if n <= 0:
+            return tuple(saved_shape), None
+        view = view.narrow(d, 0, n)
+        offs.append(o)
+        lens.append(n)
+    if len(saved_shape) != len(box.offsets):
+        raise ShapeMismatchError(f"saved tensor has {len(saved_shape)} dims, the target has "
+                                 f"{len(box.offsets)}")
+    return tuple(saved_shape), Box(tuple(offs), tuple(lens), view)
+
+
+# ----------------------------------------------------------------------------- flat slices
+
+def row_major_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple, tuple, int]]:
+    """Split the row-major elements [start, stop) of a tensor of `shape` into n-D boxes.
+
+    Returns (offsets, lengths, first flat index) per box, in flat order: a partial first row, whole
+    rows, a partial last row (recursively), so at most 2 * ndim - 1 boxes, each a contiguous run
+    of the flat data.
+    """
+    if stop <= start:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (stop - start,), start)] if shape else [((), (), start)]
+    inner = math.prod(shape[1:])
+    out: list[tuple[tuple, tuple, int]] = []
+    if start % inner:
+        row, end = start // inner, min(stop, (start // inner + 1) * inner)
+        out += [((row, *o), (1, *n), row * inner + f)
+                for o, n, f in row_major_boxes(shape[1:], start - row * inner, end - row * inner)]
+        start = end
+    rows = (stop - start) // inner
+    if rows:
+        out.append(((start // inner,) + (0,) * (len(shape) - 1), (rows, *shape[1:]), start))
+        start += rows * inner
+    if start < stop:
+        row = start // inner
+        out += [((row, *o), (1, *n), start + f) for o, n, f in row_major_boxes(shape[1:], 0, stop - start)]
+    return out
+
+
+def flat_range_sharded_tensors(key: str, flat: torch.Tensor, param: ShardedTensor, start: int,
+                               replica_id=0) -> list[ShardedTensor]:
+    """ShardedTensors for a flat slice of a (TP-local) parameter, in the parameter's global space.
+
+    `flat` holds elements [start, start + flat.numel()) of `param`'s local data flattened in row
+    major order — what a distributed-optimizer rank owns of that parameter (its main weight or an
+    Adam moment). Each row-major box of that range becomes a ShardedTensor named `key` whose data
+    is a view of `flat`, placed in `param`'s global shape (prepended axes and TP offset included).
+    `axis_fragmentations=None` marks the grid irregular, so Megatron leaves the coverage check to
+    the backend. Saved with bcp, the state reshards across DP (other slices) and TP/PP (other
+    parameter shards) alike; Megatron's own dp_reshardable format only allows DP changes.
+    """
+    _check_flat(param)
+    local = tuple(param.local_shape)
+    stop = start + flat.numel()
+    if flat.dim() != 1 or start < 0 or stop > math.prod(local):
+        raise ShapeMismatchError(f"{key!r}: flat slice [{start}, {stop}) (data shape {tuple(flat.shape)}) "
+                                 f"does not lie in parameter {param.key!r} of local shape {local}")
+    p = param.prepend_axis_num
+    out = []
+    for offs, lens, first in row_major_boxes(local, start, stop):
+        data = flat[first - start:first - start + math.prod(lens)].view(lens)
+        goff = tuple(param.global_offset[:p]) + tuple(o + g for o, g in zip(offs, param.global_offset[p:]))
+        out.append(ShardedTensor(key, data, flat.dtype, lens, tuple(param.global_shape), goff,
+                                 axis_fragmentations=None, replica_id=replica_id, prepend_axis_num=p))
+    return out
