@@ -744,8 +744,8 @@ class FsspecStorage(Storage):
         upload = upload or options.pop("upload", None)
         if fs is None:
             fs, path = fsspec.core.url_to_fs(root, **options)
-        else:
-            path = fs._strip_protocol(root)
+        else:  # a given filesystem: the URL's scheme may be one it does not know (a custom backend's)
+            path = fs._strip_protocol(root.split("://", 1)[1] if "://" in root else root)
         self.fs, self.path = fs, path.rstrip("/")
         protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
         self.protocols = set(protocols)

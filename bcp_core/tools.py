@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from . import api, codec
+from . import api, codec, metadata
 from .engine import _SAFETENSORS_DTYPES, read_all, read_verified
-from .errors import BCPError
+from .errors import BCPError, ChecksumError
 from .metadata import (METADATA_FILE, TRACKER_FILE, CheckpointMetadata, ObjectValue, Piece, TensorMeta,
                        dtype_from_name, element_size, num_blocks)
 from .planner import ReadItem, box_read_items
@@ -42,6 +42,14 @@ DTYPE_ALIASES = {
 
 class ToolError(BCPError):
     """A tool was asked for something it cannot do (bad arguments, conflicting keys...)."""
+
+
+CHECKSUM_ALGORITHM = getattr(metadata, "CHECKSUM_ALGORITHM", "crc32")
+
+
+def _sums(p) -> tuple[int, ...]:
+    """A piece's block checksums (the field was renamed from crc32 to checksums with the xxh3 switch)."""
+    return p.checksums if hasattr(p, "checksums") else p.crc32
 
 
 def human_bytes(n: float) -> str:
@@ -166,7 +174,7 @@ def inspect_checkpoint(path: str) -> dict:
     sections = _sections(md.keys())
     return {
         "path": st.root, "format_version": md.version, "world_size": md.world_size, "framework": md.framework,
-        "checksum": {"algorithm": "crc32", "block_bytes": md.checksum_block_bytes},
+        "checksum": {"algorithm": CHECKSUM_ALGORITHM, "block_bytes": md.checksum_block_bytes},
         "total_tensor_bytes": sum(t["nbytes"] for t in tensors.values()),
         "files": [{"path": f, "piece_bytes": b} for f, b in zip(md.files, file_bytes)],
         "ranks": {str(r): {"bytes": per_rank_bytes[r], "files": sorted(per_rank_files[r])}
@@ -189,7 +197,7 @@ def format_inspect(rep: dict, show_pieces: bool = False) -> str:
         f"format       bcp v{rep['format_version']}, saved by {rep['world_size']} rank(s), "
         f"framework {rep['framework'] or '?'}",
         f"tensors      {len(rep['tensors'])} ({human_bytes(rep['total_tensor_bytes'])}) in {len(rep['files'])} "
-        f"data file(s); crc32 per {human_bytes(rep['checksum']['block_bytes'])} block",
+        f"data file(s); {rep['checksum']['algorithm']} per {human_bytes(rep['checksum']['block_bytes'])} block",
         "sections     " + ", ".join(f"{s} ({n})" for s, n in rep["sections"].items()),
         "", "ranks (who wrote what):",
     ]
@@ -393,7 +401,7 @@ def verify_checkpoint(path: str, num_threads: int = 4, progress: bool = False) -
             try:
                 read_all(st, md.files, block, [ReadItem(key, p, glob, lengths, dest)], True, num_threads)
             except BCPError as e:
-                kind = "checksum" if "checksum" in str(e) else "read"
+                kind = "checksum" if isinstance(e, ChecksumError) else "read"
                 faults.append(Fault(kind, f"{st.join(md.files[p.file])} (tensor {key!r}, piece "
                                     f"{_box_str(p.offsets, p.lengths)}, rows {_box_str(glob, lengths)})", str(e)))
             n = math.prod(lengths) * esize
@@ -404,10 +412,10 @@ def verify_checkpoint(path: str, num_threads: int = 4, progress: bool = False) -
             if p.file in bad_files:
                 continue
             try:
-                read_verified(st, md.files[p.file], p.byte_offset, p.nbytes, p.crc32, block,
+                read_verified(st, md.files[p.file], p.byte_offset, p.nbytes, _sums(p), block,
                               f"shard {list(p.index)} of {fqn!r}")
             except BCPError as e:
-                kind = "checksum" if "checksum" in str(e) else "read"
+                kind = "checksum" if isinstance(e, ChecksumError) else "read"
                 faults.append(Fault(kind, f"{st.join(md.files[p.file])} (sharded value {fqn!r} index "
                                     f"{list(p.index)})", str(e)))
             checked += p.nbytes

@@ -1,0 +1,447 @@
+"""Storage backends: local, memory://, fsspec and S3 against a real S3 server on localhost.
+
+The S3 server is moto's WSGI application served by werkzeug on 127.0.0.1, behind a
+small WSGI layer that can fail chosen requests (HTTP 500 or 403) and that observes
+how many uploads of parts and ranged reads are in flight at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import uuid
+
+import pytest
+import torch
+
+import bcp_core as bcp
+from bcp_core import storage as bst
+from dist import run_ranks
+
+BUCKET = "bcp-test"
+PART = 256 << 10  # upload part / read chunk in these tests: a 1 MiB tensor becomes 4 parts
+
+
+# ----------------------------------------------------------------------------- the S3 server
+
+class FaultyS3:
+    """WSGI middleware: fail requests matching a rule, and record concurrency of parts and ranged reads."""
+
+    def __init__(self, app):
+        self.app = app
+        self.lock = threading.Condition()
+        self.rules: list[dict] = []
+        self.inflight = {"part": 0, "range": 0}
+        self.reset_counts()
+
+    def reset_counts(self):
+        self.max_inflight = {"part": 0, "range": 0}
+        self.counts = {"part": 0, "range": 0, "failed": 0}
+
+    def fail(self, status: int, code: str, method: str, key_contains: str, times: int | None, every: int = 1):
+        """Fail the first attempt of one in `every` distinct requests (same key, range and part) of `method`
+        on keys containing `key_contains`; `times` such failures at most (None: no limit). A retried
+        request then succeeds, so the outcome does not depend on how requests interleave."""
+        with self.lock:
+            self.rules.append({"status": status, "code": code, "method": method, "key": key_contains,
+                               "left": times, "every": every, "distinct": set()})
+
+    def clear(self):
+        with self.lock:
+            self.rules.clear()
+
+    def _kind(self, environ) -> str | None:
+        if environ["REQUEST_METHOD"] == "PUT" and "partNumber=" in environ.get("QUERY_STRING", ""):
+            return "part"
+        if environ["REQUEST_METHOD"] == "GET" and environ.get("HTTP_RANGE"):
+            return "range"
+        return None
+
+    def _matching_rule(self, environ) -> dict | None:
+        signature = (environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""), environ.get("QUERY_STRING", ""),
+                     environ.get("HTTP_RANGE", ""))
+        with self.lock:
+            for r in self.rules:
+                if r["method"] != signature[0] or r["key"] not in signature[1] or signature in r["distinct"]:
+                    continue
+                r["distinct"].add(signature)
+                if (len(r["distinct"]) - 1) % r["every"] or (r["left"] is not None and r["left"] <= 0):
+                    continue
+                if r["left"] is not None:
+                    r["left"] -= 1
+                self.counts["failed"] += 1
+                return r
+        return None
+
+    def __call__(self, environ, start_response):
+        rule = self._matching_rule(environ)
+        if rule is not None:
+            environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
+            body = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{rule['code']}</Code>"
+                    f"<Message>injected by the test</Message></Error>").encode()
+            start_response(f"{rule['status']} Injected", [("Content-Type", "application/xml"),
+                                                         ("Content-Length", str(len(body)))])
+            return [body]
+        kind = self._kind(environ)
+        if kind is None:
+            return self.app(environ, start_response)
+        with self.lock:
+            self.counts[kind] += 1
+            self.inflight[kind] += 1
+            self.max_inflight[kind] = max(self.max_inflight[kind], self.inflight[kind])
+            self.lock.notify_all()
+            # Hold the first request of a kind until a second one is in flight (or 5 s pass): a
+            # parallel client overlaps them for sure, a sequential one never does.
+            if self.max_inflight[kind] < 2:
+                self.lock.wait_for(lambda: self.max_inflight[kind] >= 2, timeout=5)
+        try:
+            return list(self.app(environ, start_response))
+        finally:
+            with self.lock:
+                self.inflight[kind] -= 1
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    import fsspec.config
+    import moto.s3.models
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
+    from werkzeug.serving import make_server
+
+    # Small parts keep the test light; real S3 needs 5 MiB.
+    old_min = moto.s3.models.S3_UPLOAD_PART_MIN_SIZE
+    moto.s3.models.S3_UPLOAD_PART_MIN_SIZE = 1 << 10
+    faults = FaultyS3(DomainDispatcherApplication(create_backend_app))
+    server = make_server("127.0.0.1", 0, faults, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    # Credentials and endpoint for this process, the rank processes and `bcp` subprocesses. botocore's
+    # retries are switched off (and the faults avoid the codes s3fs retries) so they reach bcp's own layer.
+    options = {"endpoint_url": url, "key": "testing", "secret": "testing",
+               "config_kwargs": {"retries": {"total_max_attempts": 1}}}
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "FSSPEC_S3": json.dumps(options)}
+    saved_env = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    saved_conf = fsspec.config.conf.get("s3")
+    fsspec.config.conf["s3"] = dict(options)
+    import boto3
+    boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing",
+                 aws_secret_access_key="testing").create_bucket(Bucket=BUCKET)
+    try:
+        yield faults
+    finally:
+        server.shutdown()
+        thread.join(timeout=10)
+        moto.s3.models.S3_UPLOAD_PART_MIN_SIZE = old_min
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if saved_conf is None:
+            fsspec.config.conf.pop("s3", None)
+        else:
+            fsspec.config.conf["s3"] = saved_conf
+
+
+@pytest.fixture
+def small_io():
+    """Parts and read chunks of PART bytes, quick retries; restored afterwards."""
+    old = {k: getattr(bst.CONFIG, k) for k in ("part_bytes", "chunk_bytes", "retry_base_delay", "retry_attempts")}
+    bst.configure_storage(part_bytes=PART, chunk_bytes=PART, retry_base_delay=0.01, retry_attempts=5)
+    bst.retry_stats(reset=True)
+    yield
+    bst.configure_storage(**old)
+
+
+def _configure_rank():
+    bst.configure_storage(part_bytes=PART, chunk_bytes=PART, retry_base_delay=0.01, retry_attempts=5)
+    bst.retry_stats(reset=True)
+
+
+# ----------------------------------------------------------------------------- multi-process round trips
+
+def _state(rank: int, step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    # Replicated 1 MiB tensors (written once, spread over the ranks) and one value that differs per rank.
+    model = {f"w{i}": torch.randn(512, 512, generator=g) for i in range(4)}
+    model["small"] = torch.arange(10, dtype=torch.int64) + step
+    return {"model": model, "extra_state": {"rank": rank, "step": step}}
+
+
+def _save_load_worker(rank, world_size, root, steps, load_world):
+    _configure_rank()
+    for step in steps:
+        bcp.save(root, _state(rank, step), step=step).wait()
+    out = {"save_retries": bst.retry_stats(reset=True)["retries"]}
+    if rank < load_world:
+        target = {"model": {k: torch.zeros_like(v) for k, v in _state(0, 0)["model"].items()}, "extra_state": {}}
+        bcp.load(root, target)
+        want = _state(rank, steps[-1])
+        for k, v in want["model"].items():
+            assert torch.equal(target["model"][k], v), k
+        assert target["extra_state"] == want["extra_state"], target["extra_state"]
+    out["load_retries"] = bst.retry_stats(reset=True)["retries"]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["local", "memory", "s3"])
+def test_multiprocess_round_trip(kind, tmp_path, request):
+    if kind == "s3":
+        faults = request.getfixturevalue("s3")
+        faults.reset_counts()
+        root = f"s3://{BUCKET}/round-trip-{uuid.uuid4().hex[:8]}"
+    elif kind == "memory":
+        root = f"memory://bcp-test-{uuid.uuid4().hex[:8]}"
+    else:
+        root = str(tmp_path / "run")
+    try:
+        run_ranks(2, _save_load_worker, root, [1, 2], 2)
+        # Saved by 2 ranks, loaded here by a third process layout (a single process).
+        st = bst.storage_for(root)
+        assert st.read_bytes("latest") == b"step_00000002"
+        md = bcp.inspect(root)
+        assert {p.rank for t in md.tensors.values() for p in t.pieces} == {0, 1}
+        target = {"model": {k: torch.zeros_like(v) for k, v in _state(0, 0)["model"].items()}}
+        bcp.load(root, target, strict=False)
+        assert all(torch.equal(target["model"][k], v) for k, v in _state(0, 2)["model"].items())
+        if kind == "s3":
+            # The 1 MiB tensors went up as parallel multipart uploads and came back as parallel ranged reads.
+            assert faults.counts["part"] >= 16 and faults.max_inflight["part"] >= 2, (faults.counts,
+                                                                                     faults.max_inflight)
+            assert faults.counts["range"] >= 16 and faults.max_inflight["range"] >= 2
+    finally:
+        bst.storage_for(root).remove("")
+    assert not bst.storage_for(root).exists("latest")
+
+
+def test_s3_transient_errors_are_retried(s3, small_io):
+    root = f"s3://{BUCKET}/flaky-{uuid.uuid4().hex[:8]}"
+    # HTTP 500 on every third part upload, on every other ranged read, and once on the metadata commit.
+    s3.fail(500, "InternalError", "PUT", "/data/r", times=None, every=3)
+    s3.fail(503, "ServiceUnavailable", "PUT", "bcp_metadata.json", times=1)
+    s3.fail(500, "InternalError", "GET", "/data/r", times=None, every=2)
+    try:
+        results = run_ranks(2, _save_load_worker, root, [1], 2)
+    finally:
+        s3.clear()
+        bst.storage_for(root).remove("")
+    saved = sum(r["save_retries"] for r in results)
+    loaded = sum(r["load_retries"] for r in results)
+    print(f"retries: save {saved}, load {loaded}; injected failures {s3.counts['failed']}")
+    assert saved >= 3 and loaded >= 2, results
+
+
+def test_s3_permanent_error_keeps_previous_checkpoint(s3, small_io):
+    root = f"s3://{BUCKET}/perm-{uuid.uuid4().hex[:8]}"
+    try:
+        run_ranks(2, _save_load_worker, root, [1], 2)
+        s3.fail(403, "AccessDenied", "PUT", "step_00000002/data/r1_", times=None)
+        with pytest.raises(AssertionError) as info:
+            run_ranks(2, _save_load_worker, root, [2], 2)
+        s3.clear()
+        msg = str(info.value)
+        # Both ranks raise; the error names the failing rank, the stage and the file.
+        assert msg.count("SaveError") >= 2, msg
+        assert "rank 1" in msg and "step_00000002/data/r1_0.safetensors" in msg and "permanent" in msg, msg
+        st = bst.storage_for(root)
+        assert st.read_bytes("latest") == b"step_00000001"
+        assert not st.exists("step_00000002/bcp_metadata.json")
+        assert bcp.resolve(root).root.endswith("step_00000001")
+        # The aborted multipart uploads were cleaned up.
+        uploads = st.fs.call_s3("list_multipart_uploads", Bucket=BUCKET)
+        assert not [u for u in uploads.get("Uploads", []) if "perm-" in u["Key"]], uploads
+        target = {"model": {k: torch.zeros_like(v) for k, v in _state(0, 0)["model"].items()}}
+        bcp.load(root, target, strict=False)  # the previous checkpoint is the one loaded
+        assert all(torch.equal(target["model"][k], v) for k, v in _state(0, 1)["model"].items())
+    finally:
+        s3.clear()
+        bst.storage_for(root).remove("")
+
+
+# ----------------------------------------------------------------------------- S3 details
+
+def test_s3_compose_upload_and_ranged_reads(s3, small_io):
+    url = f"s3://{BUCKET}/compose-{uuid.uuid4().hex[:8]}"
+    st = bst.FsspecStorage(url, upload="compose")
+    data = os.urandom(5 * PART + 123)
+    w = st.open_writer("f.bin")
+    for i in range(0, len(data), 100_000):
+        w.write(memoryview(data)[i:i + 100_000])
+    w.close()
+    assert st.listdir() == ["f.bin"]  # parts were composed and deleted
+    assert st.size("f.bin") == len(data)
+    out = bytearray(3 * PART + 7)
+    st.read_into("f.bin", PART - 5, memoryview(out))
+    assert bytes(out) == data[PART - 5: PART - 5 + len(out)]
+    with pytest.raises(bcp.StorageError, match="truncated"):
+        st.read_into("f.bin", len(data) - 10, memoryview(bytearray(20)))
+    st.remove("")
+    assert st.listdir() == []
+
+
+def test_s3_small_file_is_one_put_and_abort_discards(s3, small_io):
+    st = bst.storage_for(f"s3://{BUCKET}/abort-{uuid.uuid4().hex[:8]}")
+    assert isinstance(st, bst.FsspecStorage) and st.upload == "multipart"
+    w = st.open_writer("small")
+    w.write(memoryview(b"x" * 100))
+    w.close()
+    assert st.read_bytes("small") == b"x" * 100
+    w = st.open_writer("big")
+    w.write(memoryview(os.urandom(3 * PART)))
+    w.abort()
+    assert not st.exists("big")
+    st.remove("")
+
+
+# ----------------------------------------------------------------------------- fsspec, memory, retries
+
+def test_fsspec_backend_on_fsspec_memory(small_io):
+    st = bst.FsspecStorage(f"memory://bcp-fsspec-{uuid.uuid4().hex[:8]}/ckpt")
+    assert st.upload == "stream"
+    st.makedirs("data")
+    data = os.urandom(3 * PART + 11)
+    w = st.open_writer("data/a")
+    w.write(memoryview(data))
+    w.close()
+    out = bytearray(len(data) - 20)
+    st.read_into("data/a", 20, memoryview(out))  # 4 parallel ranged reads
+    assert bytes(out) == data[20:]
+    st.write_atomic("m.json", b"{}")
+    st.write_atomic("m.json", b"{1}")
+    assert st.read_bytes("m.json") == b"{1}"
+    assert st.listdir() == ["data", "m.json"] and st.listdir("data") == ["a"] and st.listdir("nope") == []
+    assert st.exists("data") and not st.exists("nope") and st.size("data/a") == len(data)
+    with pytest.raises(FileNotFoundError):
+        st.read_bytes("nope")
+    st.remove("data")
+    st.remove("data")  # missing is fine
+    assert st.listdir() == ["m.json"]
+    child = st.child("sub")
+    assert child.fs is st.fs and child.root == st.root + "/sub"
+
+
+def test_memory_storage_is_shared_tmpfs(tmp_path, monkeypatch):
+    monkeypatch.setenv("BCP_MEMORY_DIR", str(tmp_path))
+    st = bst.storage_for("memory://job/ckpt")
+    assert isinstance(st, bst.MemoryStorage) and st.root == "memory://job/ckpt" and not st.fsync
+    st.makedirs()
+    st.write_atomic("x", b"1")
+    assert (tmp_path / "bcp-memory" / "job" / "ckpt" / "x").read_bytes() == b"1"
+    assert st.child("a").root == "memory://job/ckpt/a"
+    for bad in ("memory://", "memory://a/../b"):
+        with pytest.raises(bcp.StorageError, match="memory://"):
+            bst.storage_for(bad)
+
+
+def test_local_parallel_chunks(tmp_path, small_io):
+    st = bst.storage_for(str(tmp_path))
+    data = os.urandom(5 * PART + 3)
+    w = st.open_writer("f")
+    w.write(memoryview(b"head"))
+    w.write(memoryview(data))  # 6 chunks written by parallel pwrite
+    w.close()
+    assert (tmp_path / "f").read_bytes() == b"head" + data
+    out = bytearray(len(data))
+    st.read_into("f", 4, memoryview(out))
+    assert bytes(out) == data
+    with pytest.raises(bcp.StorageError, match="truncated"):
+        st.read_into("f", 10, memoryview(bytearray(len(data))))
+
+
+def test_retry_classification_and_messages(small_io):
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionResetError("connection reset by peer")
+        return "ok"
+
+    assert bst.with_retries("read", "s3://b/k", flaky) == "ok"
+    assert bst.retry_stats()["retries"] == 2
+    with pytest.raises(bcp.StorageError) as info:
+        bst.with_retries("upload part 3 of", "s3://b/data/r1_0.safetensors", lambda: (_ for _ in ()).throw(
+            PermissionError("Access Denied")))
+    msg = str(info.value)
+    assert "rank 0" in msg and "upload part 3 of s3://b/data/r1_0.safetensors" in msg and "permanent" in msg
+    with pytest.raises(bcp.StorageError, match="after 5 attempts"):
+        bst.with_retries("read", "x", lambda: (_ for _ in ()).throw(TimeoutError("timed out")))
+
+    botocore = pytest.importorskip("botocore.exceptions")
+
+    def client_error(status, code):
+        return botocore.ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "Op")
+
+    assert bst.is_transient(client_error(503, "SlowDown"))
+    assert bst.is_transient(client_error(500, "InternalError"))
+    assert not bst.is_transient(client_error(403, "AccessDenied"))
+    wrapped = OSError(5, "I/O error")
+    wrapped.__cause__ = client_error(503, "ServiceUnavailable")  # how s3fs reports it
+    assert bst.is_transient(wrapped)
+    assert not bst.is_transient(FileNotFoundError("gone"))
+
+
+class _FlakyMemory(bst.FsspecStorage):
+    """A backend in one class: `flaky://` is fsspec's in-process memory filesystem whose every
+    third ranged read and first metadata write fail with a connection error."""
+
+    schemes = ("flaky",)
+
+    def __init__(self, root, fsync=True, *, fs=None, upload=None):
+        import fsspec
+        super().__init__(root, fsync, fs=fs or fsspec.filesystem("memory"), upload=upload)
+        self.fs = _FaultyFS(self.fs)
+
+    def child(self, relpath):
+        return type(self)(self.join(relpath), self.fsync, fs=self.fs.inner, upload=self.upload)
+
+
+class _FaultyFS:
+    count = {"cat": 0, "pipe": 0}
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def cat_file(self, path, start=None, end=None):
+        _FaultyFS.count["cat"] += 1
+        if start is not None and _FaultyFS.count["cat"] % 3 == 0:
+            raise ConnectionResetError("injected")
+        return self.inner.cat_file(path, start=start, end=end)
+
+    def pipe_file(self, path, data):
+        _FaultyFS.count["pipe"] += 1
+        if path.endswith("bcp_metadata.json") and _FaultyFS.count["pipe"] == 1:
+            raise TimeoutError("injected")
+        return self.inner.pipe_file(path, data)
+
+
+def test_register_backend_in_one_class(small_io):
+    bst.register_storage(_FlakyMemory)
+    try:
+        root = f"flaky://ckpt-{uuid.uuid4().hex[:8]}"
+        state = _state(0, 5)
+        bcp.save(root, state, step=5).wait()
+        assert isinstance(bst.storage_for(root), _FlakyMemory)
+        target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "extra_state": {}}
+        bcp.load(root, target)
+        assert all(torch.equal(target["model"][k], v) for k, v in state["model"].items())
+        assert bst.retry_stats()["retries"] >= 3
+        bst.storage_for(root).remove("")
+    finally:
+        bst._REGISTRY.pop("flaky", None)
+
+
+def test_configure_storage_rejects_unknown_and_bad_values():
+    with pytest.raises(ValueError, match="unknown storage setting"):
+        bst.configure_storage(part_size=1)
+    with pytest.raises(ValueError, match=">= 1"):
+        bst.configure_storage(part_bytes=0)
