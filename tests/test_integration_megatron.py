@@ -366,7 +366,48 @@ def _optimizer_layouts(rank, world_size, root):
             bad.append(f"{case}: rank {rank} step")
         out[case] = {"checked": len(targets) + 1, "bad": bad,
                      "pieces": len(bcp.inspect(path).tensors["optimizer.state.exp_avg.w"].pieces)}
+    out["factory"] = _factories(rank, root)
     return out
+
+
+def _factory_sd(tp, tp_rank, replica=0):
+    """A (4, 6) weight, column-split over TP, that a factory stores as two tensors (gate, up rows)."""
+    from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject, ShardedTensor,
+                                                          ShardedTensorFactory)
+    cols = 6 // tp
+
+    def build(key, t, replica_id, flattened_range):
+        return {part: ShardedTensor.from_rank_offsets(f"{key}.{part}", t[rows], (1, tp_rank, tp),
+                                                      replica_id=replica_id)
+                for part, rows in (("gate", slice(0, 2)), ("up", slice(2, 4)))}
+
+    def merge(sub):
+        return torch.cat([sub["gate"], sub["up"]])
+
+    data = torch.full((4, cols), SENTINEL)
+    return {"w": ShardedTensorFactory("glu.w", data, build, merge, replica_id=replica),
+            "note": LocalNonpersistentObject("local")}
+
+
+def _factories(rank, root):
+    """TP2 -> TP1 through a factory, via dist_checkpointing and via the direct bcp entry points."""
+    from megatron.core import dist_checkpointing as dcp
+
+    import bcp_integrations.megatron as bm
+    full = torch.cat([expected("glu.w.gate", (2, 6)), expected("glu.w.up", (2, 6))])
+    src = _factory_sd(2, rank)
+    src["w"].data.copy_(full[:, rank * 3:(rank + 1) * 3])
+    via_dcp = _dir(root, "factory_dcp")
+    dcp.save(src, via_dcp, sharded_strategy=("bcp", 1))
+    direct = os.path.join(root, "factory_direct")
+    bm.save(_factory_sd(2, rank) | {"w": src["w"]}, direct).wait()
+    bad = []
+    for name, loaded in (("dcp", dcp.load(_factory_sd(1, 0, rank), via_dcp)),
+                         ("direct", bm.load(_factory_sd(1, 0, rank), direct))):
+        if not torch.equal(loaded["w"], full) or loaded["note"] != "local":
+            bad.append(f"factory via {name}: rank {rank}")
+    shapes = {k: tm.shape for k, tm in bcp.inspect(via_dcp).tensors.items()}
+    return {"checked": 2, "bad": bad, "shapes": shapes}
 
 
 @pytest.fixture(scope="module")
@@ -407,3 +448,9 @@ def test_bad_sharded_tensor_is_reported_with_key_and_shape():
     st.data = torch.zeros(5, 3)
     with pytest.raises(bcp.ShapeMismatchError, match=r"'layer.w'.*\(5, 3\).*\(4, 3\)"):
         save_state({"w": st})
+
+
+def test_factories_build_on_save_and_merge_on_load(optimizer_run):
+    for r in optimizer_run:
+        assert not r["factory"]["bad"], r["factory"]["bad"]
+        assert r["factory"]["shapes"] == {"glu.w.gate": (2, 6), "glu.w.up": (2, 6)}

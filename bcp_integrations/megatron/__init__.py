@@ -5,14 +5,14 @@ Importing this package registers the `("bcp", 1)` dist_checkpointing backend, so
 `dist_checkpointing.save(..., sharded_strategy=("bcp", 1))` writes them.
 """
 
-from .adapter import (build_factories, flat_range_sharded_tensors, load_state, merge_factories,
-                      row_major_boxes, save_state)
+from .adapter import (build_factories, flat_range_sharded_tensors, load, load_state, merge_factories,
+                      row_major_boxes, save, save_state)
 from .strategy import BACKEND, VERSION, BcpLoadShardedStrategy, BcpSaveShardedStrategy, register_strategies
 
 register_strategies()
 
 __all__ = [
     "BACKEND", "VERSION", "BcpSaveShardedStrategy", "BcpLoadShardedStrategy", "register_strategies",
-    "save_state", "load_state", "build_factories", "merge_factories", "flat_range_sharded_tensors",
+    "save", "load", "save_state", "load_state", "build_factories", "merge_factories", "flat_range_sharded_tensors",
     "row_major_boxes",
 ]

@@ -34,6 +34,7 @@ import torch
 from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject, ShardedObject,
                                                       ShardedTensor, ShardedTensorFactory, is_main_replica)
 
+import bcp_core as bcp
 from bcp_core.errors import BCPError, ShapeMismatchError
 from bcp_core.shards import Box, ObjectShard, ShardedView
 
@@ -338,3 +339,29 @@ def flat_range_sharded_tensors(key: str, flat: torch.Tensor, param: ShardedTenso
         out.append(ShardedTensor(key, data, flat.dtype, lens, tuple(param.global_shape), goff,
                                  axis_fragmentations=None, replica_id=replica_id, prepend_axis_num=p))
     return out
+
+
+# ----------------------------------------------------------------------------- entry points
+
+def save(sharded_state_dict: dict, path: str, *, async_save: bool = False, **kwargs) -> bcp.SaveHandle:
+    """Save a Megatron sharded state dict with bcp, with or without dist_checkpointing around it.
+
+    Factories are built here (dist_checkpointing has already built them when it calls the
+    strategy); plain values, which dist_checkpointing would put in common.pt, are saved as bcp
+    values. `kwargs` go to `bcp_core.save`.
+    """
+    built, _ = build_factories(sharded_state_dict)
+    return bcp.save(str(path), save_state(built), framework="megatron", async_save=async_save, **kwargs)
+
+
+def load(sharded_state_dict: dict, path: str, **kwargs) -> dict:
+    """Load into a Megatron sharded state dict of any layout; returns the loaded state dict.
+
+    ShardedTensors with data are filled in place; factories are merged back. `kwargs` go to
+    `bcp_core.load` (strict=True by default: a key missing from the checkpoint is an error).
+    """
+    built, factories = build_factories(sharded_state_dict)
+    md = bcp.inspect(str(path))
+    plan = load_state(built, {k: tm.shape for k, tm in md.tensors.items()})
+    bcp.load(str(path), plan.state, framework="megatron", **kwargs)
+    return merge_factories(plan.result(built), factories)

@@ -25,7 +25,7 @@ from megatron.core.dist_checkpointing.strategies.base import (AsyncSaveShardedSt
 import bcp_core as bcp
 from bcp_core.comm import DEFAULT_TIMEOUT
 
-from .adapter import load_state, save_state
+from .adapter import load, save
 
 BACKEND, VERSION = "bcp", 1
 
@@ -50,9 +50,8 @@ class BcpSaveShardedStrategy(AsyncSaveShardedStrategy):
         return True
 
     def _save(self, sharded_state_dict, checkpoint_dir, async_save: bool) -> bcp.SaveHandle:
-        return bcp.save(str(checkpoint_dir), save_state(sharded_state_dict), framework="megatron",
-                        async_save=async_save, process_group=self.process_group,
-                        allow_pickle=self.allow_pickle, num_threads=self.num_threads, timeout=self.timeout)
+        return save(sharded_state_dict, checkpoint_dir, async_save=async_save, process_group=self.process_group,
+                    allow_pickle=self.allow_pickle, num_threads=self.num_threads, timeout=self.timeout)
 
     def save(self, sharded_state_dict, checkpoint_dir) -> None:
         self._save(sharded_state_dict, checkpoint_dir, async_save=False).wait()
@@ -92,12 +91,8 @@ class BcpLoadShardedStrategy(LoadShardedStrategy):
                                          f"bcp's ({VERSION}); upgrade bcp")
 
     def load(self, sharded_state_dict, checkpoint_dir):
-        md = bcp.inspect(str(checkpoint_dir))
-        plan = load_state(sharded_state_dict, {k: tm.shape for k, tm in md.tensors.items()})
-        bcp.load(str(checkpoint_dir), plan.state, framework="megatron", strict=True,
-                 allow_pickle=self.allow_pickle, verify_checksums=self.verify_checksums,
-                 num_threads=self.num_threads)
-        return plan.result(sharded_state_dict)
+        return load(sharded_state_dict, checkpoint_dir, strict=True, allow_pickle=self.allow_pickle,
+                    verify_checksums=self.verify_checksums, num_threads=self.num_threads)
 
     def load_tensors_metadata(self, checkpoint_dir: str | Path):
         """key -> data-less ShardedTensor with the saved global shape and dtype (one shard)."""
