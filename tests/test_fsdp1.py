@@ -72,7 +72,9 @@ CASES = {
     "grad_op": Case(strategy="SHARD_GRAD_OP", nested=(), to3=("FULL_SHARD", False)),
     # 2-D on 4 ranks: two replicas of a 2-way sharding; the replicas' identical boxes are written once
     "hybrid": Case(strategy="HYBRID_SHARD", orig_params=True, mesh=(2, 2), ranks=4, to3=("FULL_SHARD", False)),
-    "tied": Case(tied=True, nested=("w2",), to3=("FULL_SHARD", True), targets=("fsdp1_3", "plain")),
+    "tied": Case(tied=True, nested=("w2",), to3=("FULL_SHARD", True)),
+    # unsharded: original parameters (and their state) keep their shapes
+    "no_shard": Case(strategy="NO_SHARD", orig_params=True, to3=("FULL_SHARD", False), targets=("fsdp1_3",)),
     # the optimizer has never stepped: no state is saved and none may be created by saving
     "fresh": Case(orig_params=True, train_steps=0, to3=("SHARD_GRAD_OP", False)),
 }
