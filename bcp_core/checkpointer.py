@@ -74,14 +74,17 @@ class _Job:
     ckpt: Storage
     root: Storage
     tracker_name: str
-    plan: LocalSavePlan
-    cached: CachedPlan
+    plan: LocalSavePlan | None
+    cached: CachedPlan | None
     items: list[WriteItem]
     framework: str
     user_metadata: dict
     num_threads: int
     on_commit: Callable[[str], None] | None
-    slot: tuple | None = None
+    error: str | None = None                     # this rank's local planning error, sent to the coordinator
+    slot: tuple | None = None                    # staging pool slot held until written
+    staged: dict | None = None                   # (ti, bi) -> staged copy (async saves)
+    staged_per_rank: list | None = None
 
 
 class StagingPool:
@@ -155,30 +158,27 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - sent to the coordinator so every rank raises
             plan, error = None, f"rank {comm.rank}: {type(e).__name__}: {e}"
         cached = self._plans.get(plan.key) if plan is not None else None
-        if cached is None or not async_save:
-            self.wait_all()  # planning and synchronous commits must not interleave with queued commits
-        if cached is None:
-            cached = self._plan(comm, ckpt, plan, error)
-        else:
+        if cached is not None:
             self._plans.move_to_end(plan.key)
             self.stats["cache_hits"] += 1
             if comm.is_coordinator:
                 _invalidate(ckpt)
         job = _Job(ckpt, root, name, plan, cached, [], adapter.name if framework == "auto" else framework,
-                   user_metadata or {}, num_threads, on_commit)
+                   user_metadata or {}, num_threads, on_commit, error=error)
         if not async_save:
-            job.items = _items(plan, cached.assignment, None)
+            self.wait_all()  # its collectives must not interleave with queued background commits
             future: Future = Future()
             try:
-                future.set_result(self._finish(comm, job))
+                future.set_result(self._run(comm, job))
             except BaseException as e:
                 future.set_exception(e)
                 raise
             return SaveHandle(ckpt.root, future)
-        job.items, job.slot = self._stage(plan, cached.assignment)
+        if plan is not None:
+            self._stage(job)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"bcp-save-{self.role}")
-        handle = SaveHandle(ckpt.root, self._worker.submit(self._finish, comm, job))
+        handle = SaveHandle(ckpt.root, self._worker.submit(self._run, comm, job))
         self._pending.append((handle, job))
         return handle
 
@@ -198,7 +198,7 @@ class Checkpointer:
     def _plan(self, comm: Comm, ckpt: Storage, plan: LocalSavePlan | None, error: str | None) -> CachedPlan:
         msg = {"kind": "plan", "error": error} if plan is None else \
             {"kind": "plan", "key": plan.key, "structure": plan.structure}
-        msgs = comm.gather(msg)
+        msgs = comm.gather(msg, "plan")
         reply: dict = {}
         gplan = None
         if comm.is_coordinator:
@@ -217,7 +217,7 @@ class Checkpointer:
                 reply = {"kind": "plan", "assignments": gplan.assignments}
             except Exception as e:  # noqa: BLE001 - broadcast so that every rank raises
                 reply = {"kind": "plan", "error": str(e) if isinstance(e, BCPError) else f"{type(e).__name__}: {e}"}
-        reply = comm.broadcast(reply)
+        reply = comm.broadcast(reply, "plan")
         if reply.get("kind") != "plan":
             raise SaveError(f"save to {ckpt.root}: this rank re-planned while others reused a cached plan "
                             "(the state's structure changed on some ranks only)")
@@ -231,14 +231,25 @@ class Checkpointer:
             self._plans.popitem(last=False)
         return cached
 
-    def _stage(self, plan: LocalSavePlan, assignment: dict):
-        """Copy what this rank writes into reused host buffers: the only part of an async save that stalls."""
-        sources = [plan.tensors[ti][1].boxes[bi].view for ti, bi in assignment["write"]]
-        got = self._pool.acquire(plan.key, sources)
+    def _stage(self, job: _Job) -> None:
+        """Copy what this rank may write into reused host buffers: the only part of an async save that stalls.
+
+        With a cached plan that is exactly the boxes assigned to this rank. Without one, planning
+        happens in the background, so every box this rank holds is copied (a copy of the local
+        shard: the floor of any snapshot) and the plan picks from them later.
+        """
+        plan = job.plan
+        if job.cached is not None:
+            boxes = [tuple(tb) for tb in job.cached.assignment["write"]]
+        else:
+            boxes = [(ti, bi) for ti, (_, lt) in enumerate(plan.tensors) for bi in range(len(lt.boxes))]
+        sources = [plan.tensors[ti][1].boxes[bi].view for ti, bi in boxes]
+        pool_key = f"{plan.key}:{'assigned' if job.cached is not None else 'all'}"
+        got = self._pool.acquire(pool_key, sources)
         while got is None:  # both slots in flight: wait for the oldest save
             self._pending[0][0]._future.exception()  # blocks until the oldest save is done
             self._raise_background_errors()
-            got = self._pool.acquire(plan.key, sources)
+            got = self._pool.acquire(pool_key, sources)
         slot, buffers = got
         cuda = False
         with torch.no_grad():
@@ -247,8 +258,30 @@ class Checkpointer:
                 buf.copy_(src.detach(), non_blocking=src.device.type == "cuda")
         if cuda:
             torch.cuda.current_stream().synchronize()
-        per_rank = [(fqn, t.to("cpu", copy=True)) for fqn, t in plan.per_rank_tensors]
-        return _items(plan, assignment, buffers, per_rank), (plan.key, slot)
+        job.staged = dict(zip(boxes, buffers))
+        job.staged_per_rank = [(fqn, t.to("cpu", copy=True)) for fqn, t in plan.per_rank_tensors]
+        job.slot = (pool_key, slot)
+
+    def _run(self, comm: Comm, job: _Job) -> str:
+        """Plan if no cached plan fits, then write and commit."""
+        try:
+            if job.cached is None:
+                job.cached = self._plan(comm, job.ckpt, job.plan, job.error)
+            assignment = job.cached.assignment
+            if job.staged is None:  # synchronous save: write straight from the live tensors
+                job.items = _items(job.plan, assignment, None)
+            else:
+                job.items = _items(job.plan, assignment, [job.staged[tuple(tb)] for tb in assignment["write"]],
+                                   job.staged_per_rank)
+        except BaseException:
+            self._release(job)
+            raise
+        return self._finish(comm, job)
+
+    def _release(self, job: _Job) -> None:
+        if job.slot is not None:
+            self._pool.release(*job.slot)
+            job.slot = None
 
     def _finish(self, comm: Comm, job: _Job) -> str:
         """Write this rank's pieces, then commit on the coordinator once every rank reported."""
@@ -266,9 +299,8 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - reported to the coordinator
             report = {"kind": "report", "error": f"rank {comm.rank}: {type(e).__name__}: {e}"}
         finally:
-            if job.slot is not None:
-                self._pool.release(*job.slot)
-        reports = comm.gather(report)
+            self._release(job)
+        reports = comm.gather(report, "commit")
         status: dict = {}
         if comm.is_coordinator:
             try:
@@ -280,7 +312,7 @@ class Checkpointer:
                 status = {"kind": "report", "ok": True}
             except Exception as e:  # noqa: BLE001 - broadcast so that every rank raises
                 status = {"kind": "report", "error": str(e) if isinstance(e, BCPError) else f"{type(e).__name__}: {e}"}
-        status = comm.broadcast(status)
+        status = comm.broadcast(status, "commit")
         if status.get("kind") != "report":
             raise SaveError(f"save to {job.ckpt.root}: this rank reused a cached plan while others re-planned "
                             "(the state's structure changed on some ranks only)")

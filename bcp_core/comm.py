@@ -1,9 +1,13 @@
-"""Planning communication between ranks.
+"""Planning communication between ranks, through the job's c10d key-value store.
 
-Messages are JSON, carried as uint8 tensors on a dedicated gloo group, so
-planning never touches the training (NCCL) group, never pickles, and has its
-own timeout. Without an initialised process group everything degenerates to a
-single rank.
+Plans and commit reports are small JSON messages. They travel through the store every
+`torch.distributed` job already has (the TCPStore behind the default group), under keys private
+to bcp, so planning never touches the training (NCCL or gloo) groups, needs no process group of
+its own, never pickles, and may run on a background thread. Every wait has a timeout; a rank that
+does not arrive produces an error naming the missing ranks and the phase instead of a hang.
+
+Each `Comm` (one per checkpointer role) numbers its operations; all ranks perform the same
+operations in the same order, so operation k of every rank meets under the same keys.
 """
 
 from __future__ import annotations
@@ -12,104 +16,116 @@ import json
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
+
+from .errors import BCPError
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
-_GLOO_GROUPS: dict[tuple, Any] = {}
+
+class CommTimeoutError(BCPError):
+    """Ranks did not arrive at a bcp synchronisation point in time."""
 
 
-def _gloo_group_for(group, timeout: timedelta, tag: str):
-    """A gloo group with the same members as `group`, created once per tag and reused.
-
-    Each tag (checkpointer role) gets its own group so that two roles saving at once never
-    interleave their collectives.
-    """
-    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else \
-        tuple(range(dist.get_world_size()))
-    key = (ranks, timeout, tag)
-    if key not in _GLOO_GROUPS:
-        # new_group is collective over the default group: every rank reaches here in the same order
-        # because save/load are collective.
-        _GLOO_GROUPS[key] = dist.new_group(ranks=list(ranks), backend="gloo", timeout=timeout)
-    return _GLOO_GROUPS[key]
+def _default_store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError) as e:  # pragma: no cover - torch internals moved
+        raise BCPError(f"cannot reach the process group's key-value store on torch {dist.__name__}: {e}") from None
 
 
 class Comm:
-    """Object exchange for planning; rank 0 of the group is the coordinator."""
+    """Message exchange for planning; rank 0 of the group is the coordinator."""
 
     def __init__(self, group=None, timeout: timedelta = DEFAULT_TIMEOUT, tag: str = "default"):
         self.distributed = dist.is_available() and dist.is_initialized()
-        self.collectives = 0  # number of collective calls made, for tests and metrics
+        self.collectives = 0  # operations performed, for tests and metrics
+        self.timeout = timeout
+        self._seq = 0
+        self._stale: list[str] = []  # keys every rank has finished with, deleted by the coordinator
         if self.distributed:
-            self.group = _gloo_group_for(group, timeout, tag)
-            self.rank = dist.get_rank(self.group)
-            self.world_size = dist.get_world_size(self.group)
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
+            members = dist.get_process_group_ranks(group) if group is not None else range(self.world_size)
+            # keys are private to bcp, this role and this set of ranks
+            self._prefix = f"bcp/{tag}/{_members_id(members)}/"
+            self._store = _default_store()
         else:
-            self.group, self.rank, self.world_size = None, 0, 1
+            self.rank, self.world_size = 0, 1
 
     @property
     def is_coordinator(self) -> bool:
         return self.rank == 0
 
-    # -- byte transport ------------------------------------------------------------------------
-
-    def _lengths(self, n: int) -> list[int]:
-        t = torch.tensor([n], dtype=torch.int64)
-        out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(out, t, group=self.group)
-        return [int(x) for x in out]
-
-    def gather(self, obj: Any) -> list[Any] | None:
-        """Every rank's `obj` on the coordinator (in rank order); None elsewhere."""
+    def _next(self) -> str:
+        # The phase is not part of the key: ranks that disagree on what they are doing (one
+        # re-plans while another commits) meet anyway, and the coordinator reports it.
         self.collectives += 1
+        self._seq += 1
+        return f"{self._prefix}{self._seq}"
+
+    def _wait(self, keys: list[str], phase: str, ranks: list[int]) -> None:
+        try:
+            self._store.wait(keys, self.timeout)
+        except Exception as e:  # noqa: BLE001 - the store raises a bare RuntimeError/DistStoreError on timeout
+            missing = [r for r, k in zip(ranks, keys) if not self._store.check([k])]
+            raise CommTimeoutError(
+                f"bcp {phase}: rank {self.rank} waited {self.timeout} for rank(s) {missing or ranks} "
+                f"that never arrived ({type(e).__name__}); they may have crashed or be stuck elsewhere") from None
+
+    def gather(self, obj: Any, phase: str = "gather") -> list[Any] | None:
+        """Every rank's `obj` on the coordinator (in rank order); None elsewhere."""
         if not self.distributed:
+            self.collectives += 1
             return [obj]
-        data = _encode(obj)
-        lengths = self._lengths(len(data))
-        size = max(lengths)
-        buf = torch.zeros(size, dtype=torch.uint8)
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
-        outs = [torch.empty(size, dtype=torch.uint8) for _ in range(self.world_size)] \
-            if self.is_coordinator else None
-        dist.gather(buf, outs, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        base = self._next()
+        self._store.set(f"{base}/{self.rank}", _encode(obj))
         if not self.is_coordinator:
             return None
-        return [_decode(o[:n].numpy().tobytes()) for o, n in zip(outs, lengths)]
+        keys = [f"{base}/{r}" for r in range(self.world_size)]
+        self._wait(keys, phase, list(range(self.world_size)))
+        values = self._store.multi_get(keys)
+        # Every rank has sent operation k, so all have finished operations before it.
+        for k in self._stale:
+            self._store.delete_key(k)
+        self._stale = keys
+        return [_decode(v) for v in values]
 
-    def broadcast(self, obj: Any = None) -> Any:
+    def broadcast(self, obj: Any = None, phase: str = "broadcast") -> Any:
         """The coordinator's `obj` on every rank."""
-        self.collectives += 1
         if not self.distributed:
+            self.collectives += 1
             return obj
-        src = dist.get_global_rank(self.group, 0)
-        n = torch.tensor([len(data := _encode(obj)) if self.is_coordinator else 0], dtype=torch.int64)
-        dist.broadcast(n, src=src, group=self.group)
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.is_coordinator \
-            else torch.empty(int(n), dtype=torch.uint8)
-        if int(n):
-            dist.broadcast(buf, src=src, group=self.group)
-        return obj if self.is_coordinator else _decode(buf.numpy().tobytes())
+        key = f"{self._next()}/b"
+        if self.is_coordinator:
+            self._store.set(key, _encode(obj))
+            self._stale.append(key)
+            return obj
+        self._wait([key], phase, [0])
+        return _decode(self._store.get(key))
 
-    def all_gather(self, obj: Any) -> list[Any]:
-        self.collectives += 1
+    def all_gather(self, obj: Any, phase: str = "all_gather") -> list[Any]:
         if not self.distributed:
+            self.collectives += 1
             return [obj]
-        data = _encode(obj)
-        lengths = self._lengths(len(data))
-        size = max(lengths)
-        buf = torch.zeros(size, dtype=torch.uint8)
-        if data:
-            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        outs = [torch.empty(size, dtype=torch.uint8) for _ in range(self.world_size)]
-        dist.all_gather(outs, buf, group=self.group)
-        return [_decode(o[:n].numpy().tobytes()) for o, n in zip(outs, lengths)]
+        base = self._next()
+        self._store.set(f"{base}/{self.rank}", _encode(obj))
+        keys = [f"{base}/{r}" for r in range(self.world_size)]
+        self._wait(keys, phase, list(range(self.world_size)))
+        if self.is_coordinator:
+            self._stale.extend(keys)
+        return [_decode(v) for v in self._store.multi_get(keys)]
 
-    def barrier(self) -> None:
-        self.collectives += 1
-        if self.distributed:
-            dist.barrier(group=self.group)
+    def barrier(self, phase: str = "barrier") -> None:
+        self.all_gather(None, phase)
+
+
+def _members_id(members) -> str:
+    members = list(members)
+    if members == list(range(len(members))):
+        return f"w{len(members)}"
+    import hashlib
+    return hashlib.blake2b(",".join(map(str, members)).encode(), digest_size=8).hexdigest()
 
 
 def _encode(obj: Any) -> bytes:

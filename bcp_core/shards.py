@@ -102,8 +102,10 @@ def local_tensor(t) -> LocalTensor:
     return LocalTensor(tuple(t.shape), t.dtype, (Box((0,) * t.dim(), tuple(t.shape), t),))
 
 
-def _dim_runs(indices: list[int]) -> list[tuple[int, int, int]]:
+def _dim_runs(indices: range | list[int]) -> list[tuple[int, int, int]]:
     """Split a dim's global indices (in local order) into runs (local_start, global_start, length)."""
+    if isinstance(indices, range) and indices.step == 1:  # plain Shard: one run, no per-index loop
+        return [(0, indices.start, len(indices))] if len(indices) else []
     runs: list[tuple[int, int, int]] = []
     for i, g in enumerate(indices):
         if runs and runs[-1][1] + runs[-1][2] == g and runs[-1][0] + runs[-1][2] == i:
@@ -124,7 +126,7 @@ def _dtensor_boxes(dt) -> LocalTensor:
     if coord is None:  # this rank is not in the mesh
         return LocalTensor(shape, dt.dtype, ())
     # Follow DTensor's left-to-right sharding: per tensor dim, the global index of each local row.
-    indices: dict[int, list[int]] = {}
+    indices: dict[int, range | list[int]] = {}
     sizes = list(shape)
     for mesh_dim, p in enumerate(placements):
         if isinstance(p, Replicate):
@@ -135,19 +137,21 @@ def _dtensor_boxes(dt) -> LocalTensor:
         if not (isinstance(p, Shard) or strided):
             raise BCPError(f"unsupported DTensor placement {p!r}")
         d = p.dim
-        prev = indices.get(d, list(range(shape[d])))
+        prev = indices.get(d, range(shape[d]))
         n, c = mesh.size(mesh_dim), coord[mesh_dim]
         if not strided:
             size, off = Shard.local_shard_size_and_offset(sizes[d], n, c)
-            pos = list(range(off, off + size))
-        else:  # _StridedShard (FSDP2 over TP on the same dim): positions are not contiguous
-            try:
-                from torch.distributed.tensor._utils import _StridedShardOffsetMode
-                size, pos = p._local_shard_size_and_offset(sizes[d], n, c, offset_mode=_StridedShardOffsetMode.ALL)
-            except (ImportError, TypeError, AttributeError) as e:
-                raise BCPError(f"strided DTensor placement {p!r} is not supported on torch "
-                               f"{torch.__version__}: {e}") from None
-            pos = [int(x) for x in pos] if size else []
+            indices[d] = prev[off:off + size]  # a range stays a range
+            sizes[d] = len(indices[d])
+            continue
+        # _StridedShard (FSDP2 over TP on the same dim): positions are not contiguous
+        try:
+            from torch.distributed.tensor._utils import _StridedShardOffsetMode
+            size, pos = p._local_shard_size_and_offset(sizes[d], n, c, offset_mode=_StridedShardOffsetMode.ALL)
+        except (ImportError, TypeError, AttributeError) as e:
+            raise BCPError(f"strided DTensor placement {p!r} is not supported on torch "
+                           f"{torch.__version__}: {e}") from None
+        pos = [int(x) for x in pos] if size else []
         indices[d] = [prev[i] for i in pos]
         sizes[d] = len(indices[d])
     if tuple(sizes) != tuple(local.shape):
