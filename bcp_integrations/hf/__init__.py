@@ -1,0 +1,13 @@
+"""bcp for HF Transformers: ``Trainer(..., callbacks=[BCPCallback()])``.
+
+``BCPCallback`` alone writes the checkpoints that ``save_strategy="steps"``/``"epoch"`` trigger
+with bcp, on every rank, asynchronously, honouring ``save_total_limit``. Resuming from them
+(``train(resume_from_checkpoint=True|path)``, also at another world size) and
+``save_strategy="best"`` need ``BCPTrainer`` / ``BCPTrainerMixin``: the Trainer reads checkpoints
+and decides "best" saves in private methods that no callback event reaches. ``export_pretrained``
+turns a bcp checkpoint into a normal Hugging Face directory. See docs/integrations.md.
+"""
+
+from .checkpointing import BCPCallback, BCPTrainer, BCPTrainerMixin, export_pretrained, last_checkpoint
+
+__all__ = ["BCPCallback", "BCPTrainer", "BCPTrainerMixin", "export_pretrained", "last_checkpoint"]

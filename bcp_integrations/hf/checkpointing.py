@@ -1,0 +1,280 @@
+"""BCPCallback, BCPTrainerMixin and export_pretrained for HF Transformers' Trainer."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import re
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
+
+import bcp_core as bcp
+
+TRAINER_STATE_NAME = "trainer_state.json"  # HF reads this file itself in train() before any hook
+_CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+class BCPCallback(TrainerCallback):
+    """Checkpoints of the Trainer written by bcp on every rank, asynchronously.
+
+    Alone, the callback takes over the saves that ``save_strategy="steps"`` and ``"epoch"`` trigger:
+    when the Trainer is about to save, it writes ``checkpoint-<step>/`` with bcp (model, optimizer,
+    LR scheduler, each rank's RNG states, the trainer state) and clears ``control.should_save`` so
+    the Trainer writes nothing itself. ``save_total_limit`` is applied once the new checkpoint is
+    committed. With ``BCPTrainerMixin`` (or ``BCPTrainer``) the Trainer also resumes from these
+    checkpoints and ``save_strategy="best"`` / ``load_best_model_at_end`` work: the Trainer has no
+    public hook for either, so the mixin overrides its checkpoint methods (see docs/integrations.md).
+
+    Args:
+        async_save: return once the state is staged; the write finishes in the background. The
+            next save, a load and the end of training wait for it.
+        num_threads: I/O threads per rank.
+    """
+
+    def __init__(self, async_save: bool = True, num_threads: int = 4):
+        self.async_save = async_save
+        self.num_threads = num_threads
+        self.trainer: Trainer | None = None  # set by BCPTrainerMixin
+        self._pending: bcp.SaveHandle | None = None
+        self._pending_rotation: tuple[str, int | None, str | None] | None = None
+
+    # -- callback events ------------------------------------------------------------------------
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.trainer is None and args.save_strategy == SaveStrategy.BEST:
+            raise ValueError("BCPCallback: save_strategy='best' is decided inside the Trainer, after the "
+                             "callbacks run; use BCPTrainer (or BCPTrainerMixin) for it")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._take_over_save(args, state, control, kwargs)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._take_over_save(args, state, control, kwargs)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.wait()
+
+    def _take_over_save(self, args, state, control, kwargs) -> None:
+        # With the mixin, the Trainer's own _save_checkpoint routes here, for every save strategy.
+        if self.trainer is not None or not control.should_save:
+            return
+        output_dir = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        self.save(output_dir, args, state, kwargs["model"], kwargs["optimizer"], kwargs["lr_scheduler"])
+        control.should_save = False
+
+    # -- save -----------------------------------------------------------------------------------
+
+    def save(self, output_dir: str, args, state, model, optimizer, lr_scheduler, scaler=None) -> bcp.SaveHandle:
+        """Write checkpoint `output_dir` from every rank (collective)."""
+        self.wait()  # one save in flight; applies the previous save's rotation once it is committed
+        bstate: dict[str, Any] = {"model": model, "optimizer": _unwrap(optimizer),
+                                  "extra_state": {"rng": _rng_state()}}
+        if lr_scheduler is not None:
+            bstate["scheduler"] = _unwrap(lr_scheduler, "scheduler")
+        if scaler is not None:
+            bstate["scaler"] = scaler
+        bstate["trainer_state"] = json.dumps(dataclasses.asdict(state), sort_keys=True)
+        handle = bcp.save(output_dir, bstate, async_save=self.async_save, num_threads=self.num_threads)
+        if args.should_save:
+            # Small files HF needs to see: trainer_state.json (read by train() to find the step and
+            # data position) and config.json (for export_pretrained). An async save may not have
+            # created the directory yet.
+            os.makedirs(output_dir, exist_ok=True)
+            state.save_to_json(os.path.join(output_dir, TRAINER_STATE_NAME))
+            config = getattr(_unwrap_model(model), "config", None)
+            if config is not None:
+                config.save_pretrained(output_dir)
+        self._pending = handle
+        self._pending_rotation = (os.path.dirname(output_dir), args.save_total_limit, state.best_model_checkpoint)
+        if not self.async_save:
+            self.wait()
+        return handle
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed (re-raising its error), then rotate."""
+        handle, self._pending = self._pending, None
+        rotation, self._pending_rotation = self._pending_rotation, None
+        if handle is None:
+            return
+        handle.wait()
+        run_dir, limit, best = rotation
+        if limit is not None and _is_main_process():
+            # only after the commit: a failed save must never cost the older checkpoints
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best,
+                               use_mtime=False)
+
+
+class BCPTrainerMixin:
+    """Mix in front of ``transformers.Trainer`` (or a subclass) to save and resume through bcp.
+
+    Overrides the Trainer's private checkpoint methods, because it calls them directly:
+    ``_save_checkpoint`` (every save strategy, including ``"best"``), ``_load_from_checkpoint``,
+    ``_load_optimizer_and_scheduler``, ``_load_scaler``, ``_load_rng_state`` and
+    ``_load_best_model``; and ``train(resume_from_checkpoint=True)`` picks the newest *committed*
+    checkpoint. A ``BCPCallback`` is added if the callbacks have none.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        cbs = [c for c in self.callback_handler.callbacks if isinstance(c, BCPCallback)]
+        if not cbs:
+            self.add_callback(BCPCallback())
+            cbs = [c for c in self.callback_handler.callbacks if isinstance(c, BCPCallback)]
+        self.bcp = cbs[0]
+        self.bcp.trainer = self
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"no committed bcp checkpoint in {self.args.output_dir}")
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        run_dir = self._get_output_dir(trial=trial)
+        output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        if self.state.best_global_step:
+            # the best checkpoint is the step directory of the best metric, once it exists
+            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            if self.state.best_global_step == self.state.global_step or os.path.isdir(best):
+                self.state.best_model_checkpoint = best
+        self._update_exportable_callbacks()
+        self.bcp.save(output_dir, self.args, self.state, self.model_wrapped, self.optimizer, self.lr_scheduler,
+                      getattr(self.accelerator, "scaler", None))
+
+    def _update_exportable_callbacks(self) -> None:
+        from transformers.trainer_callback import ExportableState
+        for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
+            name = cb.__class__.__name__
+            if isinstance(self.state.stateful_callbacks.get(name), list):
+                self.state.stateful_callbacks[name].append(cb.state())
+            else:
+                self.state.stateful_callbacks[name] = cb.state()
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
+        # Weights are loaded together with the optimizer in _load_optimizer_and_scheduler, after
+        # prepare(), which runs for every strategy; here only check that the checkpoint is usable.
+        self.bcp.wait()
+        bcp.inspect(resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        if checkpoint is None:
+            return
+        self.bcp.wait()
+        keys = bcp.inspect(checkpoint).keys()
+        state: dict[str, Any] = {"model": self.model_wrapped}
+        if any(k.startswith("optimizer.") for k in keys):
+            state["optimizer"] = _unwrap(self.optimizer)
+        if self.lr_scheduler is not None and any(k.startswith("scheduler.") for k in keys):
+            state["scheduler"] = _unwrap(self.lr_scheduler, "scheduler")
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and any(k.startswith("scaler.") for k in keys):
+            state["scaler"] = scaler
+        bcp.load(checkpoint, state)
+
+    def _load_scaler(self, checkpoint) -> None:
+        pass  # loaded with the optimizer
+
+    def _load_rng_state(self, checkpoint) -> None:
+        if checkpoint is None:
+            return
+        state: dict[str, Any] = {"extra_state": {}}
+        bcp.load(checkpoint, state, strict=False)
+        if "rng" in state["extra_state"]:
+            _set_rng_state(state["extra_state"]["rng"])
+
+    def _load_best_model(self) -> None:
+        self.bcp.wait()
+        best = self.state.best_model_checkpoint
+        bcp.load(best, {"model": self.model_wrapped})
+
+
+class BCPTrainer(BCPTrainerMixin, Trainer):
+    """``transformers.Trainer`` that saves and resumes through bcp."""
+
+
+def last_checkpoint(output_dir: str) -> str | None:
+    """The newest ``checkpoint-<step>`` under `output_dir` that bcp committed (None if none)."""
+    if not os.path.isdir(output_dir):
+        return None
+    steps = sorted(((int(m.group(1)), n) for n in os.listdir(output_dir) if (m := _CHECKPOINT_RE.match(n))),
+                   reverse=True)
+    for _, name in steps:
+        path = os.path.join(output_dir, name)
+        try:
+            bcp.inspect(path)
+            return path
+        except bcp.BCPError:
+            continue
+    return None
+
+
+def export_pretrained(checkpoint: str, output_dir: str, model=None, model_class=None) -> str:
+    """Write the model of bcp `checkpoint` as a Hugging Face directory (config.json + safetensors).
+
+    Runs in one process, at any world size the checkpoint was saved with. `model` is the model to
+    fill (built from the checkpoint's config.json with `model_class`, default
+    ``AutoModelForCausalLM``, when omitted). Returns `output_dir`.
+    """
+    if model is None:
+        from transformers import AutoConfig
+        if model_class is None:
+            from transformers import AutoModelForCausalLM as model_class
+        config = AutoConfig.from_pretrained(checkpoint)
+        model = model_class.from_config(config)
+    bcp.load(checkpoint, {"model": model})
+    model.save_pretrained(output_dir, safe_serialization=True)
+    return output_dir
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _unwrap(obj, attr: str = "optimizer"):
+    """The torch optimizer / scheduler under Accelerate's AcceleratedOptimizer / AcceleratedScheduler."""
+    inner = getattr(obj, attr, None)
+    return inner if inner is not None and hasattr(inner, "state_dict") else obj
+
+
+def _unwrap_model(model):
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def _is_main_process() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def _rng_state() -> dict[str, Any]:
+    import numpy as np
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                             "numpy": {"kind": kind, "keys": keys, "pos": int(pos), "has_gauss": int(has_gauss),
+                                       "gauss": float(gauss)}}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    torch.set_rng_state(state["torch"])
+    random.setstate(_tuples(state["python"]))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _tuples(v: Any) -> Any:
+    if isinstance(v, (list, tuple)):
+        return tuple(_tuples(x) for x in v)
+    return v
+

@@ -1,0 +1,117 @@
+"""HF Trainer + BCPCallback/BCPTrainer end to end: real Trainers, DDP on 2 gloo ranks and 1 process.
+
+Runs recipes/hf_resume.py in its `--phase run` mode (tiny Llama with attention dropout, so the
+RNG state matters; 32 samples, 2 per rank per step, so every checkpoint here is mid-epoch and
+the data position comes from the trainer state):
+  A   bcp, 2 ranks, 6 steps, save_steps=2, save_total_limit=2 (also the uninterrupted reference)
+  N   HF's own checkpoints, 2 ranks, 6 steps (reference for the 1-process resume)
+  R2  bcp resume of A's checkpoint-4 on 2 ranks; R1 on 1 process; N1 HF's resume of N's on 1 process
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+import torch  # noqa: E402
+
+import bcp_core as bcp  # noqa: E402
+
+RECIPE = os.path.join(os.path.dirname(__file__), "..", "recipes", "hf_resume.py")
+
+
+def _run(nproc: int, *args: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), RECIPE]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["HF_HUB_OFFLINE"] = "1"
+    proc = subprocess.run([*cmd, "--phase", "run", *args], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+
+
+def _losses(d, rank: int = 0) -> dict[int, float]:
+    with open(os.path.join(d, f"losses_rank{rank}.json")) as f:
+        return {step: loss for step, loss in json.load(f)}
+
+
+def _state(path) -> dict:
+    return torch.load(path, weights_only=False)
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    assert a["global_step"] == b["global_step"]
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys() and len(sa) > 0
+    for i in sa:
+        for name in sa[i]:
+            assert torch.equal(torch.as_tensor(sa[i][name]), torch.as_tensor(sb[i][name])), (i, name)
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+    assert a["scheduler"] == b["scheduler"]
+
+
+@pytest.mark.timeout(600)
+def test_hf_trainer_save_resume_across_world_sizes_and_export(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from bcp_integrations.hf import export_pretrained, last_checkpoint
+
+    a_out, a_ckpt = tmp_path / "a", tmp_path / "a_trainer"
+    _run(2, "--out", str(a_out), "--ckpt-dir", str(a_ckpt), "--max-steps", "6", "--save-total-limit", "2",
+         "--dump-at-step", "4")
+    _run(2, "--native", "--out", str(tmp_path / "n"), "--ckpt-dir", str(tmp_path / "n_trainer"),
+         "--max-steps", "6")
+    uninterrupted = _losses(a_out)
+    assert sorted(uninterrupted) == [1, 2, 3, 4, 5, 6]
+    assert _losses(tmp_path / "n") == uninterrupted  # bcp does not disturb training
+
+    # save_total_limit=2 applied; the checkpoints are bcp's, written by both ranks
+    assert sorted(os.listdir(a_ckpt)) == ["checkpoint-4", "checkpoint-6"]
+    md = bcp.inspect(a_ckpt / "checkpoint-4")
+    assert md.world_size == 2 and any(f.startswith("data/r1") for f in md.files), md.files
+    assert not (a_ckpt / "checkpoint-4" / "model.safetensors").exists()
+    assert not (a_ckpt / "checkpoint-4" / "optimizer.pt").exists()
+    # resume_from_checkpoint=True takes the newest committed checkpoint, not an unfinished one
+    (a_ckpt / "checkpoint-8").mkdir()
+    (a_ckpt / "checkpoint-8" / "trainer_state.json").write_text("{}")
+    assert last_checkpoint(str(a_ckpt)) == str(a_ckpt / "checkpoint-6")
+
+    ckpt4 = str(a_ckpt / "checkpoint-4")
+    saved = _state(a_out / "state_step4.pt")
+
+    # same world size: bit-identical state after load; same losses (dropout included) as uninterrupted
+    _run(2, "--out", str(tmp_path / "r2"), "--ckpt-dir", str(tmp_path / "r2_trainer"), "--resume", ckpt4,
+         "--max-steps", "6")
+    _assert_same_state(saved, _state(tmp_path / "r2" / "state_start.pt"))
+    assert _losses(tmp_path / "r2") == {5: uninterrupted[5], 6: uninterrupted[6]}
+    assert _losses(tmp_path / "r2", rank=1) == {s: v for s, v in _losses(a_out, rank=1).items() if s > 4}
+
+    # 2 -> 1 process: bit-identical state, and the same losses as HF resuming its own checkpoint
+    # of the same run on 1 process. bcp gives the single process rank 0's RNG states; HF would look
+    # for rng_state.pth and start without, so hand it rank 0's file to compare like with like.
+    native4 = tmp_path / "n_trainer" / "checkpoint-4"
+    (native4 / "rng_state.pth").write_bytes((native4 / "rng_state_0.pth").read_bytes())
+    _run(1, "--out", str(tmp_path / "r1"), "--ckpt-dir", str(tmp_path / "r1_trainer"), "--resume", ckpt4,
+         "--max-steps", "6")
+    _run(1, "--native", "--out", str(tmp_path / "n1"), "--ckpt-dir", str(tmp_path / "n1_trainer"),
+         "--resume", str(native4), "--max-steps", "6")
+    r1 = _state(tmp_path / "r1" / "state_start.pt")
+    _assert_same_state(saved, r1)
+    _assert_same_state(r1, _state(tmp_path / "n1" / "state_start.pt"))
+    assert _losses(tmp_path / "r1") == _losses(tmp_path / "n1")
+    assert sorted(_losses(tmp_path / "r1")) == [5, 6]
+
+    # export as a Hugging Face directory that from_pretrained loads, with the checkpoint's weights
+    hf_dir = export_pretrained(ckpt4, str(tmp_path / "hf"))
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(hf_dir))
+    reloaded = LlamaForCausalLM.from_pretrained(hf_dir).state_dict()
+    assert reloaded.keys() == saved["model"].keys()
+    for k, v in saved["model"].items():
+        assert torch.equal(reloaded[k], v), k
