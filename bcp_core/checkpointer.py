@@ -23,7 +23,7 @@ from datetime import timedelta
 
 import torch
 
-from .comm import DEFAULT_TIMEOUT, Comm
+from .comm import DEFAULT_TIMEOUT, Comm, CommTimeoutError
 from .engine import WriteItem, write_items
 from .errors import BCPError, SaveError
 from .metadata import (CHECKSUM_BLOCK_BYTES, METADATA_FILE, TRACKER_FILE, CheckpointMetadata, ObjectPiece,
@@ -198,7 +198,11 @@ class Checkpointer:
     def _plan(self, comm: Comm, ckpt: Storage, plan: LocalSavePlan | None, error: str | None) -> CachedPlan:
         msg = {"kind": "plan", "error": error} if plan is None else \
             {"kind": "plan", "key": plan.key, "structure": plan.structure}
-        msgs = comm.gather(msg, "plan")
+        try:
+            msgs = comm.gather(msg, "plan")
+        except CommTimeoutError as e:  # tell the ranks that did arrive, then fail everywhere alike
+            comm.broadcast({"kind": "plan", "error": str(e)}, "plan")
+            raise SaveError(f"save to {ckpt.root} planned nothing: {e}") from None
         reply: dict = {}
         gplan = None
         if comm.is_coordinator:
@@ -300,7 +304,11 @@ class Checkpointer:
             report = {"kind": "report", "error": f"rank {comm.rank}: {type(e).__name__}: {e}"}
         finally:
             self._release(job)
-        reports = comm.gather(report, "commit")
+        try:
+            reports = comm.gather(report, "commit")
+        except CommTimeoutError as e:
+            comm.broadcast({"kind": "report", "error": str(e)}, "commit")
+            raise SaveError(f"save to {job.ckpt.root} failed and was not committed: {e}") from None
         status: dict = {}
         if comm.is_coordinator:
             try:

@@ -1,0 +1,29 @@
+"""Planning messages: ordering, and a clear error instead of a hang when a rank never arrives."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+
+import bcp_core as bcp
+from bcp_core.comm import Comm
+from dist import run_ranks
+
+
+def _exchange_and_timeout(rank, world_size, root):
+    comm = Comm(tag="test")
+    assert comm.gather({"r": rank}, "plan") == ([{"r": r} for r in range(world_size)] if rank == 0 else None)
+    assert comm.broadcast({"x": 1} if rank == 0 else None) == {"x": 1}
+    assert comm.all_gather(rank * 10) == [r * 10 for r in range(world_size)]
+    # rank 2 never joins the save: ranks 0 and 1 get an error naming it (and the phase) in time
+    if rank == 2:
+        return "skipped"
+    with pytest.raises(bcp.SaveError, match=r"rank\(s\) \[2\] that never arrived"):
+        bcp.save(root, {"w": torch.ones(4)}, role="timeout", timeout=timedelta(seconds=3))
+    return "raised"
+
+
+def test_missing_rank_is_named_instead_of_hanging(tmp_path):
+    assert run_ranks(3, _exchange_and_timeout, str(tmp_path), timeout=120) == ["raised", "raised", "skipped"]
