@@ -15,13 +15,14 @@ import torch
 
 from . import codec
 from .checkpointer import SaveHandle, get_checkpointer
-from .comm import DEFAULT_TIMEOUT
+from .comm import DEFAULT_TIMEOUT, Comm
 from .engine import read_all, read_verified
 from .errors import (BCPError, IncompleteCheckpointError, KeyMismatchError, MetadataError,
                      NotACheckpointError, ShapeMismatchError)
 from .metadata import METADATA_FILE, TRACKER_FILE, CheckpointMetadata, ObjectValue
 from .planner import ReadItem, box_read_items, read_items
 from .shards import Box
+from .shared_reads import read_all_shared, worth_sharing
 from .state import LoadTarget, load_targets, resolve_framework
 from .storage import Storage, storage_for
 
@@ -104,11 +105,16 @@ class LoadResult:
 
 def load(path: str | os.PathLike, state: dict, framework: str = "auto", strict: bool = True, *,
          process_group=None, allow_pickle: bool = False, verify_checksums: bool = True,
-         num_threads: int = 4) -> LoadResult:
+         num_threads: int = 4, share_reads: bool | None = None,
+         timeout: timedelta = DEFAULT_TIMEOUT) -> LoadResult:
     """Load the checkpoint at `path` (or the latest under a root) into `state`, in place.
 
     Works at any world size and sharding: each rank reads the parts of the saved pieces that
     overlap what it holds. Does not need a process group.
+
+    `share_reads`: read each byte range once across the job and pass it to the other ranks that
+    need it (collective). Default (None): on for remote storage or multi-node jobs, where storage
+    bandwidth is the bottleneck; off on one node, where the page cache is faster than a transfer.
     """
     st = resolve(path)
     md = read_metadata(st)
@@ -163,7 +169,12 @@ def load(path: str | os.PathLike, state: dict, framework: str = "auto", strict: 
                 items.extend(box_read_items(fqn, tm, Box((0,) * len(tm.shape), tm.shape, t)))
             else:
                 items.extend(read_items(fqn, tm, target.tensor))
-    read_all(st, md.files, md.checksum_block_bytes, items, verify_checksums, num_threads)
+    if share_reads or (share_reads is None and worth_sharing(st, process_group)):
+        comm = Comm(process_group, timeout, tag="load")
+        read_all_shared(st, md.files, md.checksum_block_bytes, items, verify_checksums, num_threads,
+                        process_group, comm)
+    else:
+        read_all(st, md.files, md.checksum_block_bytes, items, verify_checksums, num_threads)
     for target, t in late:
         _set(target, t)
     for finish in lt.finishers:

@@ -178,12 +178,10 @@ def read_verified(storage: Storage, file: str, byte_offset: int, nbytes: int, su
     return bytes(buf)
 
 
-def read_item(storage: Storage, files: tuple[str, ...], block: int, item: ReadItem, verify: bool) -> None:
+def item_span(item: ReadItem, block: int, verify: bool) -> tuple[int, int]:
+    """The byte range [lo, hi) of `item.piece` to read for this item: the bytes from the first to the
+    last element needed, widened to whole checksum blocks when verifying."""
     p = item.piece
-    numel = math.prod(item.lengths)
-    if numel == 0:
-        return
-    file = files[p.file]
     esize = item.dest.element_size()
     strides = _contiguous_strides(p.lengths)
     rel = [o - po for o, po in zip(item.offsets, p.offsets)]
@@ -191,30 +189,55 @@ def read_item(storage: Storage, files: tuple[str, ...], block: int, item: ReadIt
     last = sum((r + n - 1) * s for r, n, s in zip(rel, item.lengths, strides))
     lo, hi = first * esize, (last + 1) * esize
     if verify:
-        lo_r, hi_r = lo // block * block, min(-(-hi // block) * block, p.nbytes)
-    else:
-        lo_r, hi_r = lo, hi
-    dest = item.dest.detach()
-    whole = tuple(item.lengths) == tuple(p.lengths)
-    try:
-        if whole and dest.is_contiguous() and dest.device.type == "cpu" and (lo_r, hi_r) == (0, p.nbytes):
-            out = tensor_bytes(dest)  # zero-copy: read straight into the destination
-            storage.read_into(file, p.byte_offset, out)
-            if verify:
-                _verify(out, 0, item, file, block)
-            return
-        buf = torch.empty(hi_r - lo_r, dtype=torch.uint8)
-        view = tensor_bytes(buf)
-        storage.read_into(file, p.byte_offset + lo_r, view)
-    except (OSError, StorageError) as e:
-        raise StorageError(f"reading {file} bytes [{p.byte_offset + lo_r}, {p.byte_offset + hi_r}) for "
-                           f"tensor {item.fqn!r} failed: {e}") from e
+        return lo // block * block, min(-(-hi // block) * block, p.nbytes)
+    return lo, hi
+
+
+def copy_from_span(item: ReadItem, buf: torch.Tensor, span_lo: int, files: tuple[str, ...], block: int,
+                   verify: bool) -> None:
+    """Verify `buf` (piece bytes from `span_lo`) and copy the item's elements into its destination."""
+    p = item.piece
     if verify:
-        _verify(view, lo_r, item, file, block)
-    flat = buf[lo - lo_r: hi - lo_r].view(dest.dtype)
+        _verify(tensor_bytes(buf), span_lo, item, files[p.file], block)
+    esize = item.dest.element_size()
+    strides = _contiguous_strides(p.lengths)
+    rel = [o - po for o, po in zip(item.offsets, p.offsets)]
+    first = sum(r * s for r, s in zip(rel, strides)) * esize
+    flat = buf[first - span_lo:].view(item.dest.dtype)
     src = torch.as_strided(flat, item.lengths, strides, flat.storage_offset())
     with torch.no_grad():
-        dest.copy_(src)
+        item.dest.detach().copy_(src)
+
+
+def read_span(storage: Storage, files: tuple[str, ...], item: ReadItem, lo: int, hi: int) -> torch.Tensor:
+    p = item.piece
+    buf = torch.empty(hi - lo, dtype=torch.uint8)
+    try:
+        storage.read_into(files[p.file], p.byte_offset + lo, tensor_bytes(buf))
+    except (OSError, StorageError) as e:
+        raise StorageError(f"reading {files[p.file]} bytes [{p.byte_offset + lo}, {p.byte_offset + hi}) for "
+                           f"tensor {item.fqn!r} failed: {e}") from e
+    return buf
+
+
+def read_item(storage: Storage, files: tuple[str, ...], block: int, item: ReadItem, verify: bool) -> None:
+    p = item.piece
+    if math.prod(item.lengths) == 0:
+        return
+    lo, hi = item_span(item, block, verify)
+    dest = item.dest.detach()
+    if (tuple(item.lengths) == tuple(p.lengths) and dest.is_contiguous() and dest.device.type == "cpu"
+            and (lo, hi) == (0, p.nbytes)):
+        out = tensor_bytes(dest)  # zero-copy: read straight into the destination
+        try:
+            storage.read_into(files[p.file], p.byte_offset, out)
+        except (OSError, StorageError) as e:
+            raise StorageError(f"reading {files[p.file]} bytes [{p.byte_offset}, {p.byte_offset + p.nbytes}) "
+                               f"for tensor {item.fqn!r} failed: {e}") from e
+        if verify:
+            _verify(out, 0, item, files[p.file], block)
+        return
+    copy_from_span(item, read_span(storage, files, item, lo, hi), lo, files, block, verify)
 
 
 def read_all(storage: Storage, files: tuple[str, ...], block: int, items: Iterable[ReadItem],
