@@ -60,10 +60,9 @@ def check_torch_version(version: str | None = None) -> None:
         _checked = True
 
 
-def _fsdp_classes():
+def _fsdp_class():
     from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.distributed.fsdp._flat_param import FlatParameter
-    return FullyShardedDataParallel, FlatParameter
+    return FullyShardedDataParallel
 
 
 # ----------------------------------------------------------------------------- decomposition
@@ -153,7 +152,7 @@ class _Unit:
 def _units(root: nn.Module) -> list[_Unit]:
     """Every FSDP1 unit under `root`, with its original parameters' local placement."""
     check_torch_version()
-    fsdp_cls, _ = _fsdp_classes()
+    fsdp_cls = _fsdp_class()
     units = []
     for name, m in root.named_modules():
         if not isinstance(m, fsdp_cls):
@@ -211,7 +210,7 @@ class FSDP1Adapter(ModuleAdapter):
     name = "fsdp"
 
     def matches(self, module: nn.Module) -> bool:
-        fsdp_cls, _ = _fsdp_classes()
+        fsdp_cls = _fsdp_class()
         return any(isinstance(m, fsdp_cls) for m in module.modules())
 
     # -- model -----------------------------------------------------------------------------------

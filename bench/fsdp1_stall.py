@@ -189,7 +189,8 @@ def main() -> None:
     total = {k: max(results[r]["total"][k] for r in results) for k in results[0]["total"]}
     table = {
         "setup": {"ranks": args.ranks, "device": args.device, "layers": args.layers, "width": args.width,
-                  "parameters": sum(p.numel() for p in _model(args.layers, args.width).parameters()), "use_orig_params": args.use_orig_params,
+                  "parameters": sum(p.numel() for p in _model(args.layers, args.width).parameters()),
+                  "use_orig_params": args.use_orig_params,
                   "repeats": args.repeats, "statistic": "median per rank, slowest rank"},
         "stall_s": {k: round(v, 4) for k, v in stall.items()},
         "total_s": {k: round(v, 4) for k, v in total.items()},
