@@ -147,11 +147,17 @@ def _gpt_layouts(rank, world_size, root):
     load_and_check(model, os.path.join(root, "tp2"), "tp2pp1_to_tp1pp2")
     dcp.save(model.sharded_state_dict(), _dir(root, "pp2"), sharded_strategy=("bcp", 1))
 
-    # TP 2 -> 1 and PP 2 -> 1 (DP=2), then save at TP=1
+    # TP 2 -> 1 and PP 2 -> 1 (DP=2), then save at TP=1 the way Megatron-LM does by default:
+    # wrapped in FullyParallelSaveStrategyWrapper, which moves main replicas around the DP group
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    from bcp_integrations.megatron import BcpSaveShardedStrategy
     model = _gpt(1, 1)
     load_and_check(model, os.path.join(root, "tp2"), "tp2_to_tp1")
     load_and_check(model, os.path.join(root, "pp2"), "pp2_to_pp1")
-    dcp.save(model.sharded_state_dict(), _dir(root, "tp1"), sharded_strategy=("bcp", 1))
+    wrapped = FullyParallelSaveStrategyWrapper(BcpSaveShardedStrategy(), ps.get_data_parallel_group())
+    dcp.save(model.sharded_state_dict(), _dir(root, "tp1"), sharded_strategy=wrapped)
 
     # TP 1 -> 2; the async checkpoint; bcp and torch_dist of the same state side by side
     model = _gpt(2, 1)
@@ -454,3 +460,44 @@ def test_factories_build_on_save_and_merge_on_load(optimizer_run):
     for r in optimizer_run:
         assert not r["factory"]["bad"], r["factory"]["bad"]
         assert r["factory"]["shapes"] == {"glu.w.gate": (2, 6), "glu.w.up": (2, 6)}
+
+
+# ----------------------------------------------------------------------------- Megatron-LM
+
+def test_ckpt_format_bcp_parses_as_the_dist_checkpointing_path():
+    """--ckpt-format as Megatron-LM declares it (choices from a Literal, default torch_dist)."""
+    import argparse
+
+    from bcp_integrations.megatron import megatron_lm
+
+    def parser():
+        p = argparse.ArgumentParser()
+        p.add_argument("--ckpt-format", default="torch_dist", choices=["torch", "torch_dist", "torch_dcp",
+                                                                       "fsdp_dtensor"])
+        return megatron_lm.add_ckpt_format_choice(p)
+
+    megatron_lm._state["selected"] = False
+    assert parser().parse_args([]).ckpt_format == "torch_dist" and not megatron_lm.bcp_selected()
+    assert parser().parse_args(["--ckpt-format", "torch"]).ckpt_format == "torch"
+    assert not megatron_lm.bcp_selected()
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--ckpt-format", "zarr"])
+    # every Megatron-LM branch keyed on "torch_dist" is taken; the save strategy lookup gives bcp
+    assert parser().parse_args(["--ckpt-format", "bcp"]).ckpt_format == "torch_dist"
+    assert megatron_lm.bcp_selected()
+    megatron_lm._state["selected"] = False
+
+
+def test_enable_megatron_lm_routes_saves_through_bcp():
+    pytest.importorskip("megatron.training", reason="Megatron-LM (megatron.training) is not installed: "
+                        "megatron-core on PyPI ships no training loop")
+    from megatron.training import checkpointing
+
+    from bcp_integrations.megatron import BcpSaveShardedStrategy, enable_megatron_lm, megatron_lm
+    enable_megatron_lm()
+    megatron_lm._state["selected"] = True
+    try:
+        assert isinstance(checkpointing.get_default_save_sharded_strategy("torch_dist"), BcpSaveShardedStrategy)
+    finally:
+        megatron_lm._state["selected"] = False
+    assert not isinstance(checkpointing.get_default_save_sharded_strategy("torch_dist"), BcpSaveShardedStrategy)
