@@ -231,11 +231,12 @@ def checkpointable(loader, dp_rank: int | None = None, dp_size: int | None = Non
     OpaqueLoader keyed by DP rank (which defaults to the global rank: pure data parallelism)."""
     if isinstance(loader, (ReshardableLoader, OpaqueLoader)):
         return loader
-    if dp_rank is None or dp_size is None:
-        import torch.distributed as dist
-        on = dist.is_available() and dist.is_initialized()
-        dp_rank = dist.get_rank() if on and dp_rank is None else (dp_rank or 0)
-        dp_size = dist.get_world_size() if on and dp_size is None else (dp_size or 1)
+    import torch.distributed as dist
+    on = dist.is_available() and dist.is_initialized()
+    if dp_rank is None:
+        dp_rank = dist.get_rank() if on else 0
+    if dp_size is None:
+        dp_size = dist.get_world_size() if on else 1
     return OpaqueLoader(loader, dp_rank, dp_size)
 
 
@@ -307,6 +308,15 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 
 
 _EMPTY = _frozen(np.zeros(0, dtype=np.int64))
+
+
+def _compact(buf: np.ndarray) -> np.ndarray:
+    """The buffer as int32 when every id fits (nearly always: half the bytes), else int64."""
+    if buf.dtype == np.int32:
+        return buf
+    if buf.size == 0 or (buf.min() >= -2 ** 31 and buf.max() < 2 ** 31):
+        return _frozen(buf.astype(np.int32))
+    return buf
 
 
 class _Packer:
@@ -401,7 +411,9 @@ def _read_worker(packer: _Packer, unit: _Unit, w: int, data_q, ctrl_q, state_q, 
                 break
         for n in sorted(n for n in wanted if n <= produced):
             wanted.discard(n)
-            state_q.put(("state", w, n, ring.get(n)))
+            unit = ring.get(n)
+            # compacted here, off the training process's critical path
+            state_q.put(("state", w, n, None if unit is None else replace(unit, buffer=_compact(unit.buffer))))
 
     def put(item) -> None:
         while True:
@@ -669,8 +681,10 @@ class PackedTokenLoader(ReshardableLoader):
     def close(self) -> None:
         """Stop the read workers (they restart, from the current state, on the next batch)."""
         if self._pool is not None:
-            self._units = self._current_units()
-            self._close_pool()
+            try:
+                self._units = self._current_units()
+            finally:
+                self._close_pool()
 
     def _close_pool(self) -> None:
         pool, self._pool = self._pool, None
@@ -769,10 +783,7 @@ class PackedTokenLoader(ReshardableLoader):
     # -- unit states as safe-codec values
 
     def _encode(self, u: _Unit) -> dict:
-        buf = u.buffer
-        if buf.size == 0 or (buf.min() >= -2 ** 31 and buf.max() < 2 ** 31):
-            buf = buf.astype(np.int32)  # token ids nearly always fit: half the bytes
-        return {"epoch": u.epoch, "stream": u.stream, "draws": u.draws, "buffer": buf,
+        return {"epoch": u.epoch, "stream": u.stream, "draws": u.draws, "buffer": _compact(u.buffer),
                 "docs": {n: [[r.start, r.stop, r.step] for r in rs] for n, rs in zip(self.names, u.docs)}}
 
     def _decode(self, v: Any) -> _Unit:

@@ -46,7 +46,7 @@ def run(mode: str, regime: dict, workers: int, checkpoints: int, interval: int) 
     loader = PackedTokenLoader(sources, regime["seq_len"], regime["batch_size"], num_workers=workers,
                                weights={"video": 1.0, "text": 1.0}, seed=0, prefetch_factor=2,
                                checkpoint_interval=interval if mode == "prefetch" else None)
-    stalls, state_bytes, stats = [], [], {}
+    stalls, waits, state_bytes, stats = [], [], [], {}
     step = 0
     try:
         for _ in loader:
@@ -56,6 +56,7 @@ def run(mode: str, regime: dict, workers: int, checkpoints: int, interval: int) 
                 t0 = time.perf_counter()
                 sd = loader.state_dict()
                 stalls.append(time.perf_counter() - t0)
+                waits.append(loader.stats["last_state_wait_s"])
                 state_bytes.append(sum(u.value["buffer"].nbytes for u in sd["units"].values()))
                 if len(stalls) == checkpoints:
                     stats = dict(loader.stats)  # before close(), which collects the states once more
@@ -65,6 +66,8 @@ def run(mode: str, regime: dict, workers: int, checkpoints: int, interval: int) 
     return {"stall_ms_median": round(statistics.median(stalls) * 1e3, 2),
             "stall_ms_max": round(max(stalls) * 1e3, 2),
             "stall_ms_all": [round(s * 1e3, 2) for s in stalls],
+            # the part of the stall spent waiting for the workers' states (the rest builds the dict)
+            "worker_wait_ms_median": round(statistics.median(waits) * 1e3, 2),
             "state_mb_median": round(statistics.median(state_bytes) / 2 ** 20, 2),
             "worker_states_prefetched": stats.get("prefetched"), "worker_states_on_demand": stats.get("on_demand")}
 

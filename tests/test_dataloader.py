@@ -167,6 +167,11 @@ def runs(tmp_path_factory):
     return root, saved, resumed, refs
 
 
+def one_rank_per_dp_rank(ranks) -> list[int]:
+    """The first rank holding each DP rank: TP/PP peers deliver the same tokens, counted once."""
+    return [r for r, d in enumerate(ranks) if d is not None and ranks.index(d) == r]
+
+
 def _assert_same_tokens(got: Counter, want: Counter, what: str):
     lost, repeated = want - got, got - want
     assert not lost and not repeated, (f"{what}: {sum(lost.values())} tokens lost (e.g. {sorted(lost)[:5]}), "
@@ -177,7 +182,7 @@ def _assert_same_tokens(got: Counter, want: Counter, what: str):
 
 def test_runs_are_deterministic_and_cover_the_corpus_once(runs):
     _, saved, _, refs = runs
-    for name, (dp, ranks, _, step) in SAVED.items():
+    for name, (_, ranks, _, step) in SAVED.items():
         _assert_same_tokens(Counter(real(b for rank in refs[name] for b in rank)), ALL_TOKENS, f"{name} epoch")
         for rank, dp_rank in enumerate(ranks):  # batches before the save match the uninterrupted run
             assert saved[rank][name]["before"] == refs[name][dp_rank][:step], (name, rank)
@@ -200,14 +205,13 @@ def test_checkpoint_holds_replicated_part_once_and_one_item_per_dp_rank_and_work
         assert sum(len(reader[i]["buffer"]) for i in reader.indices) > 0, name
 
 
-@pytest.mark.parametrize("case", [c for c in RESUMES], ids=case_id)
+@pytest.mark.parametrize("case", RESUMES, ids=case_id)
 def test_resume_delivers_every_remaining_token_exactly_once(runs, case):
     _, saved, resumed, refs = runs
     name, new_dp, _, ranks = case
     old_dp, _, _, step = SAVED[name]
     want = Counter(real(b for rank in refs[name] for b in rank[step:]))
-    got_batches = [b for r, dp_rank in enumerate(ranks) if dp_rank is not None
-                   and ranks.index(dp_rank) == r for b in resumed[r][case_id(case)]]
+    got_batches = [b for r in one_rank_per_dp_rank(ranks) for b in resumed[r][case_id(case)]]
     if name == "dp2" and new_dp == 3:
         mid = [b for r in range(3) for b in resumed[r]["chain_mid"]]
         got_batches += mid
@@ -216,8 +220,7 @@ def test_resume_delivers_every_remaining_token_exactly_once(runs, case):
         bcp.load(os.path.join(runs[0], "chain"), {"dataloader": chain})
         _assert_same_tokens(Counter(real(mid + drain(chain))), want, "dp2->dp3->dp1 chain")
     _assert_same_tokens(Counter(real(got_batches)), want, f"{case_id(case)} after step {step}")
-    before = Counter(real(b for r, d in enumerate(SAVED[name][1]) if SAVED[name][1].index(d) == r
-                          for b in saved[r][name]["before"]))
+    before = Counter(real(b for r in one_rank_per_dp_rank(SAVED[name][1]) for b in saved[r][name]["before"]))
     _assert_same_tokens(before + Counter(real(got_batches)), ALL_TOKENS, f"{case_id(case)} whole epoch")
 
 
