@@ -1,0 +1,220 @@
+"""register(accelerator): Accelerate's save_state / load_state through bcp on every rank."""
+
+from __future__ import annotations
+
+import functools
+import random
+import threading
+from typing import Any
+
+import accelerate.accelerator as _acc_module
+import torch
+from accelerate import Accelerator
+
+import bcp_core as bcp
+
+# What Accelerate itself would write or read in save_state/load_state. While a registered
+# accelerator's save_state/load_state runs, these look empty to Accelerate's own code, so that it
+# writes nothing (its FSDP branches, custom-object files and their count check included); the
+# pre-hooks do the work on the real objects.
+_HIDDEN = ("_models", "_optimizers", "_schedulers", "_dataloaders", "_custom_objects")
+_active = threading.local()  # .checkpointer during a registered save_state/load_state call
+
+
+class BCPAccelerateCheckpointer:
+    """Created by `register`. `wait()` blocks until the last asynchronous save is committed."""
+
+    def __init__(self, accelerator: Accelerator, async_save: bool = True, num_threads: int = 4):
+        self.accelerator = accelerator
+        self.async_save = async_save
+        self.num_threads = num_threads
+        self.last_save: bcp.SaveHandle | None = None
+        self._real: dict[str, Any] | None = None
+        self._loaded_step: int | None = None
+        self.handles = [accelerator.register_save_state_pre_hook(self._save_hook),
+                        accelerator.register_load_state_pre_hook(self._load_hook)]
+        accelerator.save_state = self._wrap(accelerator.save_state)
+        accelerator.load_state = self._wrap(accelerator.load_state, wait_first=True)
+        accelerator.end_training = self._wrap_end(accelerator.end_training)
+
+    def wait(self) -> None:
+        handle, self.last_save = self.last_save, None
+        if handle is not None:
+            handle.wait()
+
+    # -- wrapping ---------------------------------------------------------------------------
+
+    def _wrap(self, method, wait_first: bool = False):
+        @functools.wraps(method)
+        def call(*args, **kwargs):
+            if wait_first:
+                self.wait()
+            acc = self.accelerator
+            self._real = {name: getattr(acc, name) for name in _HIDDEN}
+            self._real["scaler"] = acc.scaler
+            for name in _HIDDEN:
+                setattr(acc, name, [])
+            acc.scaler = None
+            _active.checkpointer = self
+            try:
+                return method(*args, **kwargs)
+            finally:
+                _active.checkpointer = None
+                for name, value in self._real.items():
+                    setattr(acc, name, value)
+                self._real = None
+        return call
+
+    def _wrap_end(self, method):
+        @functools.wraps(method)
+        def call(*args, **kwargs):
+            self.wait()  # before Accelerate tears the process group down
+            return method(*args, **kwargs)
+        return call
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def _state(self) -> dict[str, Any]:
+        real = self._real
+        if real is None:
+            raise RuntimeError("bcp hooks run only inside the save_state/load_state of the accelerator they "
+                               "were registered on")
+        state: dict[str, Any] = {}
+        for kind, name in (("_models", "model"), ("_optimizers", "optimizer"), ("_schedulers", "scheduler"),
+                           ("_custom_objects", "custom")):
+            for i, obj in enumerate(real[kind]):
+                state[name if i == 0 else f"{name}_{i}"] = _unwrap(obj)
+        if real["scaler"] is not None:
+            state["scaler"] = real["scaler"]
+        return state
+
+    def _save_hook(self, models, weights, output_dir) -> None:
+        self.wait()
+        state = self._state()
+        state["extra_state"] = {"rng": _rng_state(), "step": self.accelerator.step,
+                                "data_position": [_loader_position(dl) for dl in self._real["_dataloaders"]]}
+        self.last_save = bcp.save(output_dir, state, async_save=self.async_save, num_threads=self.num_threads)
+        weights.clear()  # Accelerate's own model files
+
+    def _load_hook(self, models, input_dir) -> None:
+        state = self._state()
+        state["extra_state"] = {}
+        bcp.load(input_dir, state, num_threads=self.num_threads)
+        extra = state["extra_state"]
+        _set_rng_state(extra["rng"])
+        self._loaded_step = extra["step"]
+        for dl, pos in zip(self._real["_dataloaders"], extra["data_position"]):
+            _set_loader_position(dl, pos)
+        models.clear()
+
+
+def register(accelerator: Accelerator, async_save: bool = True, num_threads: int = 4) -> BCPAccelerateCheckpointer:
+    """Make ``accelerator.save_state(dir)`` / ``load_state(dir)`` go through bcp on every rank.
+
+    Models (DDP or FSDP), optimizers, LR schedulers, the GradScaler, ``register_for_checkpointing``
+    objects, each rank's RNG states, ``accelerator.step`` and each prepared dataloader's position
+    (epoch; sampler seed and epoch; a stateful dataloader's state) are saved as one bcp checkpoint
+    in ``dir``; Accelerate writes none of its own files. ``load_state`` works at any number of
+    processes. Saves are asynchronous by default: the next save_state/load_state, ``end_training``
+    and the returned object's ``wait()`` wait for them.
+    """
+    if getattr(accelerator, "_bcp_checkpointer", None) is not None:
+        return accelerator._bcp_checkpointer
+    _install_skips()
+    ckpt = BCPAccelerateCheckpointer(accelerator, async_save, num_threads)
+    accelerator._bcp_checkpointer = ckpt
+    return ckpt
+
+
+def _install_skips() -> None:
+    """Accelerate's own state writer/reader (RNG files, sampler) does nothing inside a bcp call."""
+    if getattr(_acc_module.save_accelerator_state, "_bcp_skip", False):
+        return
+    save_orig, load_orig = _acc_module.save_accelerator_state, _acc_module.load_accelerator_state
+
+    @functools.wraps(save_orig)
+    def save_accelerator_state(output_dir, *args, **kwargs):
+        if getattr(_active, "checkpointer", None) is not None:
+            return output_dir
+        return save_orig(output_dir, *args, **kwargs)
+
+    @functools.wraps(load_orig)
+    def load_accelerator_state(input_dir, *args, **kwargs):
+        ckpt = getattr(_active, "checkpointer", None)
+        if ckpt is not None:
+            return {"step": ckpt._loaded_step}
+        return load_orig(input_dir, *args, **kwargs)
+
+    save_accelerator_state._bcp_skip = True
+    _acc_module.save_accelerator_state = save_accelerator_state
+    _acc_module.load_accelerator_state = load_accelerator_state
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _unwrap(obj):
+    """The torch optimizer / scheduler under Accelerate's wrappers; models stay wrapped (DDP/FSDP)."""
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.scheduler import AcceleratedScheduler
+    if isinstance(obj, AcceleratedOptimizer):
+        return obj.optimizer
+    if isinstance(obj, AcceleratedScheduler):
+        return obj.scheduler
+    return obj
+
+
+def _loader_position(dl) -> dict[str, Any]:
+    # Until bcp_core has dataloader state, the position is saved as the plain values Accelerate
+    # tracks: the epoch counter, a seedable sampler's seed/epoch, or a stateful loader's state.
+    pos: dict[str, Any] = {"iteration": int(getattr(dl, "iteration", 0))}
+    sampler = _seedable_sampler(dl)
+    if sampler is not None:
+        pos["sampler"] = {"epoch": int(sampler.epoch), "initial_seed": int(sampler.initial_seed)}
+    if getattr(dl, "use_stateful_dataloader", False):
+        pos["state_dict"] = dl.state_dict()
+    return pos
+
+
+def _set_loader_position(dl, pos: dict[str, Any]) -> None:
+    if hasattr(dl, "iteration"):
+        dl.iteration = pos["iteration"]
+    sampler = _seedable_sampler(dl)
+    if sampler is not None and "sampler" in pos:
+        sampler.epoch = pos["sampler"]["epoch"]
+        sampler.initial_seed = pos["sampler"]["initial_seed"]
+    if "state_dict" in pos and getattr(dl, "use_stateful_dataloader", False):
+        dl.load_state_dict(pos["state_dict"])
+
+
+def _seedable_sampler(dl):
+    from accelerate.data_loader import SeedableRandomSampler
+    get = getattr(dl, "get_sampler", None)
+    sampler = get() if callable(get) else None
+    return sampler if isinstance(sampler, SeedableRandomSampler) else None
+
+
+def _rng_state() -> dict[str, Any]:
+    import numpy as np
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                             "numpy": {"kind": kind, "keys": keys, "pos": int(pos), "has_gauss": int(has_gauss),
+                                       "gauss": float(gauss)}}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    torch.set_rng_state(state["torch"])
+    random.setstate(_tuples(state["python"]))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _tuples(v: Any) -> Any:
+    if isinstance(v, (list, tuple)):
+        return tuple(_tuples(x) for x in v)
+    return v

@@ -1,0 +1,90 @@
+"""Accelerate + register(accelerator) end to end: real Accelerators under torchrun (MULTI_CPU, gloo).
+
+Runs recipes/accelerate_resume.py in its `--phase run` mode (MLP with dropout, seedable sampler,
+16 samples, 2 per process per step; save_state after epoch 1):
+  A   bcp, 2 processes, 2 epochs (also the uninterrupted reference)
+  N   Accelerate's own save_state, 2 processes, 2 epochs (reference for the 1-process resume)
+  R2  bcp load_state of A's checkpoint on 2 processes; R1 on 1 process; N1 Accelerate's load of N's on 1
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("accelerate")
+import torch  # noqa: E402
+
+import bcp_core as bcp  # noqa: E402
+
+RECIPE = os.path.join(os.path.dirname(__file__), "..", "recipes", "accelerate_resume.py")
+
+
+def _run(nproc: int, *args: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), RECIPE]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.run([*cmd, "--phase", "run", *args], env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+
+
+def _losses(d, rank: int = 0) -> dict[int, float]:
+    with open(os.path.join(d, f"losses_rank{rank}.json")) as f:
+        return {step: loss for step, loss in json.load(f)}
+
+
+def _state(path) -> dict:
+    return torch.load(path, weights_only=False)
+
+
+def _assert_same_state(a: dict, b: dict, rng: bool = True) -> None:
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys() and len(sa) > 0
+    for i in sa:
+        for name in sa[i]:
+            assert torch.equal(torch.as_tensor(sa[i][name]), torch.as_tensor(sb[i][name])), (i, name)
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+    assert a["scheduler"] == b["scheduler"]
+    assert a["progress"] == b["progress"] and a["step"] == b["step"]
+    if rng:
+        assert torch.equal(a["rng"], b["rng"])
+
+
+@pytest.mark.timeout(600)
+def test_accelerate_save_load_state_across_num_processes(tmp_path):
+    a, ckpt = tmp_path / "a", tmp_path / "state"
+    _run(2, "--out", str(a), "--epochs", "2", "--save-dir", str(ckpt))
+    _run(2, "--native", "--out", str(tmp_path / "n"), "--epochs", "2", "--save-dir", str(tmp_path / "native"))
+    uninterrupted = _losses(a)
+    assert sorted(uninterrupted) == list(range(1, 9))
+    assert _losses(tmp_path / "n") == uninterrupted  # bcp does not disturb training
+
+    # one bcp checkpoint written by both processes, and nothing written by Accelerate itself
+    assert sorted(os.listdir(ckpt)) == ["bcp_metadata.json", "data"]
+    md = bcp.inspect(ckpt)
+    assert md.world_size == 2 and any(f.startswith("data/r1") for f in md.files), md.files
+    assert {"model.net.0.weight", "optimizer.param_groups", "custom.epoch"} <= md.keys()
+    saved = _state(a / "state_epoch1.pt")
+    assert saved["progress"] == {"epoch": 1, "step": 4}
+
+    # same number of processes: bit-identical state (RNG included), same losses (dropout included)
+    _run(2, "--out", str(tmp_path / "r2"), "--epochs", "2", "--resume", str(ckpt))
+    _assert_same_state(saved, _state(tmp_path / "r2" / "state_start.pt"))
+    assert _losses(tmp_path / "r2") == {s: v for s, v in uninterrupted.items() if s > 4}
+    assert _losses(tmp_path / "r2", rank=1) == {s: v for s, v in _losses(a, rank=1).items() if s > 4}
+
+    # 2 -> 1 process: bit-identical state, same losses as Accelerate loading its own checkpoint of
+    # the same run on 1 process (both give the single process rank 0's RNG states)
+    _run(1, "--out", str(tmp_path / "r1"), "--epochs", "2", "--resume", str(ckpt))
+    _run(1, "--native", "--out", str(tmp_path / "n1"), "--epochs", "2", "--resume", str(tmp_path / "native"))
+    r1 = _state(tmp_path / "r1" / "state_start.pt")
+    _assert_same_state(saved, r1)
+    _assert_same_state(r1, _state(tmp_path / "n1" / "state_start.pt"))
+    assert _losses(tmp_path / "r1") == _losses(tmp_path / "n1")
+    assert sorted(_losses(tmp_path / "r1")) == list(range(5, 13))
