@@ -302,3 +302,30 @@ def test_unit_overlaps_partition_the_saved_units():
                     last[u] = hi
                     covered[u] += hi - lo
             assert all(c == 1 for c in covered.values()), (old_n, new_n)
+
+
+def test_a_resharding_rank_reads_only_the_saved_units_it_overlaps(runs, monkeypatch):
+    from bcp_core.api import ShardReader
+    reads = []
+    original = ShardReader.__getitem__
+
+    def counting(self, index):
+        reads.append((self.fqn, tuple(index)))
+        return original(self, index)
+
+    monkeypatch.setattr(ShardReader, "__getitem__", counting)
+    bcp.load(os.path.join(runs[0], "dp4"), {"dataloader": make(1, 2)})  # DP 4 -> 2: rank 1 merges 2 and 3
+    assert sorted(reads) == [("dataloader.units.0", (2,)), ("dataloader.units.0", (3,))]
+    reads.clear()
+    bcp.load(os.path.join(runs[0], "dp2w2"), {"dataloader": make(2, 3, 2)})  # 4 units -> 6: last two
+    assert sorted(reads) == [("dataloader.units.0", (1,)), ("dataloader.units.1", (1,))]
+
+
+def test_next_epoch_covers_the_corpus_again_in_another_order():
+    loader = make(0, 1)
+    first = drain(loader)
+    assert loader.epoch == 0
+    second = drain(loader)
+    assert loader.epoch == 1
+    _assert_same_tokens(Counter(real(second)), ALL_TOKENS, "epoch 1")
+    assert real(first) != real(second)
