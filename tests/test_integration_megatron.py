@@ -501,3 +501,20 @@ def test_enable_megatron_lm_routes_saves_through_bcp():
     finally:
         megatron_lm._state["selected"] = False
     assert not isinstance(checkpointing.get_default_save_sharded_strategy("torch_dist"), BcpSaveShardedStrategy)
+
+
+def test_export_tool_writes_megatron_checkpoint_as_safetensors(gpt_run, tmp_path):
+    from safetensors import safe_open
+
+    from bcp_core.tools import export_checkpoint
+    root, _ = gpt_run
+    export_checkpoint(os.path.join(root, "tp2"), str(tmp_path / "hf"), to="hf")
+    seen = 0
+    for name in os.listdir(tmp_path / "hf"):
+        if name.endswith(".safetensors"):
+            with safe_open(str(tmp_path / "hf" / name), framework="pt") as f:
+                for k in f.keys():
+                    t = f.get_tensor(k)
+                    assert torch.equal(t, expected(k, t.shape)), k
+                    seen += 1
+    assert seen == 17
