@@ -115,3 +115,76 @@ def test_hf_trainer_save_resume_across_world_sizes_and_export(tmp_path):
     assert reloaded.keys() == saved["model"].keys()
     for k, v in saved["model"].items():
         assert torch.equal(reloaded[k], v), k
+
+
+def _tiny_trainer(trainer_cls, tmp_path, callbacks, **targs):
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    sys.path.insert(0, os.path.dirname(RECIPE))
+    from hf_resume import MODEL, TokenData
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**MODEL, attn_implementation="eager"))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4,
+                             learning_rate=1e-2, report_to="none", disable_tqdm=True, seed=0, **targs)
+    return trainer_cls(model=model, args=args, train_dataset=TokenData(), eval_dataset=TokenData(),
+                       callbacks=callbacks)
+
+
+@pytest.mark.timeout(300)
+def test_hf_callback_alone_saves_with_bcp_and_best_needs_the_mixin(tmp_path, monkeypatch):
+    from transformers import Trainer, TrainerCallback
+
+    from bcp_integrations.hf import BCPCallback, BCPTrainer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # the callback alone: steps checkpoints are bcp's, save_total_limit applies
+    trainer = _tiny_trainer(Trainer, tmp_path / "cb", [BCPCallback()], max_steps=4, save_strategy="steps",
+                            save_steps=2, save_total_limit=1)
+    trainer.train()
+    assert os.listdir(tmp_path / "cb") == ["checkpoint-4"]
+    ckpt = tmp_path / "cb" / "checkpoint-4"
+    assert {"model.model.embed_tokens.weight", "optimizer.param_groups", "scheduler.last_epoch"} <= bcp.inspect(
+        ckpt).keys()
+    assert not (ckpt / "model.safetensors").exists() and (ckpt / "trainer_state.json").exists()
+
+    # ... and BCPTrainer resumes from it (resume_from_checkpoint=True)
+    class StartStep(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            self.step = state.global_step
+            self.weights = {k: v.clone() for k, v in model.state_dict().items()}
+
+    start = StartStep()
+    resumed = _tiny_trainer(BCPTrainer, tmp_path / "cb", [start], max_steps=6, save_strategy="steps", save_steps=2)
+    resumed.train(resume_from_checkpoint=True)
+    assert start.step == 4 and resumed.state.global_step == 6
+    for k, v in trainer.model.state_dict().items():
+        assert torch.equal(start.weights[k], v), k
+
+    # save_strategy="best" is decided inside the Trainer: the callback alone refuses it
+    with pytest.raises(ValueError, match="BCPTrainer"):
+        _tiny_trainer(Trainer, tmp_path / "best_cb", [BCPCallback()], max_steps=2, save_strategy="best",
+                      eval_strategy="steps", eval_steps=1, metric_for_best_model="loss").train()
+
+    # with BCPTrainer: best checkpoints are bcp's, and load_best_model_at_end loads the best one
+    class LastWeights(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kw):
+            self.weights = {k: v.clone() for k, v in model.state_dict().items()}
+
+    last = LastWeights()
+    best = _tiny_trainer(BCPTrainer, tmp_path / "best", [last], max_steps=4, save_strategy="best",
+                         eval_strategy="steps", eval_steps=1, metric_for_best_model="loss",
+                         greater_is_better=True, load_best_model_at_end=True)
+    best.train()
+    best_dir = best.state.best_model_checkpoint
+    # the loss falls at every step, so with greater_is_better the best is step 1, not the last
+    assert best.state.best_global_step == 1 and os.listdir(tmp_path / "best") == ["checkpoint-1"]
+    assert best_dir == str(tmp_path / "best" / f"checkpoint-{best.state.best_global_step}")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_resume import MODEL
+    fresh = LlamaForCausalLM(LlamaConfig(**MODEL, attn_implementation="eager"))
+    bcp.load(best_dir, {"model": fresh})
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(best.model.state_dict()[k], v), k
+    assert not torch.equal(last.weights["lm_head.weight"], fresh.state_dict()["lm_head.weight"])
