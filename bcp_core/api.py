@@ -148,6 +148,11 @@ def load(path: str | os.PathLike, state: dict, framework: str = "auto", strict: 
             elif target.shard.index is None:
                 target.shard.value, target.shard.grid = reader, reader.grid
             else:
+                if target.shard.grid and tuple(target.shard.grid) != tuple(reader.grid):
+                    raise ShapeMismatchError(
+                        f"sharded object {fqn!r}: the checkpoint's grid is {tuple(reader.grid)}, the target asks "
+                        f"for index {tuple(target.shard.index)} of grid {tuple(target.shard.grid)}; read it "
+                        "with index=None and reshard")
                 target.shard.value = reader[target.shard.index]
         elif fqn in md.per_rank:
             v = md.per_rank[fqn].variant_for(rank)

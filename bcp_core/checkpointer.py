@@ -299,6 +299,7 @@ class Checkpointer:
                                            _tensor_digest(it.tensor)]
             report = {"kind": "report", "key": plan.key, "objects": plan.values["objects"], "per_rank": per_rank,
                       "shard_digests": plan.values["shard_digests"],
+                      "object_digests": plan.values["object_digests"],
                       "pieces": [[w.key, w.file, w.byte_offset, w.nbytes, w.checksums] for w in written]}
         except Exception as e:  # noqa: BLE001 - reported to the coordinator
             report = {"kind": "report", "error": f"rank {comm.rank}: {type(e).__name__}: {e}"}
@@ -373,6 +374,20 @@ def _invalidate(ckpt: Storage) -> None:
     """An older checkpoint at this path must never pass for this one: drop its metadata first."""
     if ckpt.exists(METADATA_FILE):
         ckpt.remove(METADATA_FILE)
+
+
+def _warn_differing_values(reports: list[dict]) -> None:
+    """Replicated values are saved from rank 0; say so loudly when another rank's value differs."""
+    differ: dict[str, list[int]] = {}
+    ref = reports[0]["object_digests"]
+    for r, rep in enumerate(reports[1:], start=1):
+        for k, d in rep["object_digests"].items():
+            if ref.get(k) != d:
+                differ.setdefault(k, []).append(r)
+    if differ:
+        log.warning("bcp: non-tensor values differ between ranks and only rank 0's is saved: %s. Values "
+                    "that differ per rank belong under 'extra_state' (or in a sharded object).",
+                    ", ".join(f"{k} (ranks {v})" for k, v in sorted(differ.items())[:8]))
 
 
 def _remove_stale_files(ckpt: Storage, md: CheckpointMetadata) -> None:
@@ -451,6 +466,7 @@ def _commit_metadata(job: _Job, reports: list[dict], world_size: int) -> Checkpo
     sharded = {fqn: ShardedObjectMeta(tuple(grid), tuple(sorted(shards[fqn], key=lambda p: p.index)))
                for fqn, grid in sorted(gplan.sharded_grids.items())}
     objects = {k: ObjectValue(reports[0]["objects"][k]) for k in sorted(gplan.object_keys)}
+    _warn_differing_values(reports)
     return CheckpointMetadata(world_size=world_size, framework=job.framework, files=tuple(files), tensors=tensors,
                               objects=objects, per_rank=per_rank, sharded_objects=sharded,
                               user=job.user_metadata)

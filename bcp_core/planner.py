@@ -54,7 +54,7 @@ def local_save_plan(leaves: list[SaveLeaf], rank: int, allow_pickle: bool) -> Lo
     tensors: list[tuple[str, LocalTensor]] = []
     st_tensors, st_objects, st_per_rank, st_shards = [], [], [], []
     per_rank_tensors, object_shards = [], []
-    objects, per_rank, shard_digests = {}, {}, []
+    objects, per_rank, shard_digests, object_digests = {}, {}, [], {}
     for leaf in leaves:
         v = leaf.value
         if isinstance(v, ObjectShard):
@@ -81,14 +81,18 @@ def local_save_plan(leaves: list[SaveLeaf], rank: int, allow_pickle: bool) -> Lo
             st_tensors.append([leaf.fqn, dtype_name(lt.dtype), list(lt.global_shape),
                                [[list(b.offsets), list(b.lengths)] for b in lt.boxes]])
         else:
-            # replicated values: the coordinator's copy is saved; others only prove they have the key
+            # replicated values: the coordinator's copy is saved; the others send a digest so a value
+            # that differs between ranks (and would be lost) is reported
             st_objects.append(leaf.fqn)
+            encoded = codec.encode(v, leaf.fqn, allow_pickle)
             if rank == 0:
-                objects[leaf.fqn] = codec.encode(v, leaf.fqn, allow_pickle)
+                objects[leaf.fqn] = encoded
+            object_digests[leaf.fqn] = digest(json.dumps(encoded, sort_keys=True).encode())
     structure = {"tensors": st_tensors, "objects": st_objects, "per_rank": st_per_rank,
                  "sharded_objects": st_shards}
     key = digest(json.dumps(structure, separators=(",", ":")).encode())
-    values = {"objects": objects, "per_rank": per_rank, "shard_digests": shard_digests}
+    values = {"objects": objects, "per_rank": per_rank, "shard_digests": shard_digests,
+              "object_digests": object_digests}
     return LocalSavePlan(structure, key, tensors, per_rank_tensors, object_shards, values)
 
 

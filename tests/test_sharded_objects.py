@@ -52,3 +52,24 @@ def test_ranks_disagreeing_on_a_shard_fail_clearly(tmp_path):
 
 def _disagree(rank, world_size, root):
     bcp.save(root, {"x": ObjectShard({"rank": rank}, (0,), (1,))}).wait()
+
+
+def test_index_target_of_another_grid_is_refused(root):
+    with pytest.raises(bcp.ShapeMismatchError, match=r"grid is \(2,\).*grid \(3,\)"):
+        bcp.load(root, {"loader": {"buf": ObjectShard(None, (1,), (3,))}})
+
+
+def _differing_values(rank, world_size, root):
+    import logging
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("bcp").addHandler(handler)
+    bcp.save(root, {"cursor": {"position": rank * 7}, "same": 1}).wait()
+    return [r.getMessage() for r in records]
+
+
+def test_replicated_value_differing_between_ranks_is_reported(tmp_path):
+    logs = run_ranks(2, _differing_values, str(tmp_path))
+    assert any("cursor.position (ranks [1])" in m for m in logs[0]), logs
+    assert not any("same" in m for m in logs[0])
