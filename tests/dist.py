@@ -40,7 +40,7 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 180.0) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue))
              for r in range(world_size)]
     for p in procs:
         p.start()
