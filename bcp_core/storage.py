@@ -228,6 +228,8 @@ def with_retries(stage: str, where: str, fn: Callable[..., Any], *args: Any, **k
             return fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - classified below
             transient = is_transient(e)
+            if isinstance(e, StorageError) and not transient:
+                raise  # already says where and why
             if not transient or attempt == attempts:
                 with _STATS.lock:
                     _STATS.gave_up += 1
@@ -743,7 +745,11 @@ class FsspecStorage(Storage):
         options = dict(_FS_OPTIONS.get(scheme_of(root), {}))
         upload = upload or options.pop("upload", None)
         if fs is None:
-            fs, path = fsspec.core.url_to_fs(root, **options)
+            try:
+                fs, path = fsspec.core.url_to_fs(root, **options)
+            except (ImportError, ValueError) as e:
+                raise StorageError(f"cannot open {root!r} with fsspec: {e} (install the fsspec driver for "
+                                   f"{scheme_of(root)}://, e.g. `pip install s3fs` for s3://)") from e
         else:  # a given filesystem: the URL's scheme may be one it does not know (a custom backend's)
             path = fs._strip_protocol(root.split("://", 1)[1] if "://" in root else root)
         self.fs, self.path = fs, path.rstrip("/")

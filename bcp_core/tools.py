@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from . import api, codec, metadata
+from . import api, codec
 from .engine import _SAFETENSORS_DTYPES, read_all, read_verified
 from .errors import BCPError, ChecksumError
-from .metadata import (METADATA_FILE, TRACKER_FILE, CheckpointMetadata, ObjectValue, Piece, TensorMeta,
-                       dtype_from_name, element_size, num_blocks)
+from .metadata import (CHECKSUM_ALGORITHM, METADATA_FILE, TRACKER_FILE, CheckpointMetadata, ObjectValue, Piece,
+                       TensorMeta, dtype_from_name, element_size, num_blocks)
 from .planner import ReadItem, box_read_items
 from .shards import Box, intersect
 from .storage import Storage, storage_for
@@ -42,14 +42,6 @@ DTYPE_ALIASES = {
 
 class ToolError(BCPError):
     """A tool was asked for something it cannot do (bad arguments, conflicting keys...)."""
-
-
-CHECKSUM_ALGORITHM = getattr(metadata, "CHECKSUM_ALGORITHM", "crc32")
-
-
-def _sums(p) -> tuple[int, ...]:
-    """A piece's block checksums (the field was renamed from crc32 to checksums with the xxh3 switch)."""
-    return p.checksums if hasattr(p, "checksums") else p.crc32
 
 
 def human_bytes(n: float) -> str:
@@ -412,7 +404,7 @@ def verify_checkpoint(path: str, num_threads: int = 4, progress: bool = False) -
             if p.file in bad_files:
                 continue
             try:
-                read_verified(st, md.files[p.file], p.byte_offset, p.nbytes, _sums(p), block,
+                read_verified(st, md.files[p.file], p.byte_offset, p.nbytes, p.checksums, block,
                               f"shard {list(p.index)} of {fqn!r}")
             except BCPError as e:
                 kind = "checksum" if isinstance(e, ChecksumError) else "read"

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import bcp_core as bcp
+from bcp_core import cli
 from bcp_core import storage as bst
 from dist import run_ranks
 
@@ -214,6 +215,9 @@ def test_multiprocess_round_trip(kind, tmp_path, request):
         target = {"model": {k: torch.zeros_like(v) for k, v in _state(0, 0)["model"].items()}}
         bcp.load(root, target, strict=False)
         assert all(torch.equal(target["model"][k], v) for k, v in _state(0, 2)["model"].items())
+        # The command line works on every backend too.
+        assert cli.main(["-q", "verify", root]) == 0
+        assert cli.main(["ls", root]) == 0
         if kind == "s3":
             # The 1 MiB tensors went up as parallel multipart uploads and came back as parallel ranged reads.
             assert faults.counts["part"] >= 16 and faults.max_inflight["part"] >= 2, (faults.counts,
