@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import secrets
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -81,6 +82,7 @@ class _Job:
     user_metadata: dict
     num_threads: int
     on_commit: Callable[[str], None] | None
+    number: int = 0                              # this checkpointer's save count (same on every rank)
     error: str | None = None                     # this rank's local planning error, sent to the coordinator
     slot: tuple | None = None                    # staging pool slot held until written
     staged: dict | None = None                   # (ti, bi) -> staged copy (async saves)
@@ -137,6 +139,11 @@ class Checkpointer:
         self._pending: deque[tuple[SaveHandle, _Job]] = deque()
         self._comms: dict = {}
         self.stats = {"plans": 0, "cache_hits": 0}
+        # Data files are named <token>-<save number>-r<rank>_<k>: unique per job and save, so two
+        # jobs writing one directory never overwrite each other's bytes. The coordinator's token
+        # reaches the other ranks with the first plan.
+        self._token = secrets.token_hex(4)
+        self._saves = 0
 
     # -- public ------------------------------------------------------------------------------------
 
@@ -163,8 +170,9 @@ class Checkpointer:
             self.stats["cache_hits"] += 1
             if comm.is_coordinator:
                 _invalidate(ckpt)
+        self._saves += 1
         job = _Job(ckpt, root, name, plan, cached, [], adapter.name if framework == "auto" else framework,
-                   user_metadata or {}, num_threads, on_commit, error=error)
+                   user_metadata or {}, num_threads, on_commit, number=self._saves, error=error)
         if not async_save:
             self.wait_all()  # its collectives must not interleave with queued background commits
             future: Future = Future()
@@ -218,7 +226,7 @@ class Checkpointer:
                 gplan = global_save_plan([m["structure"] for m in msgs])
                 _invalidate(ckpt)
                 ckpt.makedirs()
-                reply = {"kind": "plan", "assignments": gplan.assignments}
+                reply = {"kind": "plan", "assignments": gplan.assignments, "token": self._token}
             except Exception as e:  # noqa: BLE001 - broadcast so that every rank raises
                 reply = {"kind": "plan", "error": str(e) if isinstance(e, BCPError) else f"{type(e).__name__}: {e}"}
         reply = comm.broadcast(reply, "plan")
@@ -228,6 +236,7 @@ class Checkpointer:
         if "error" in reply:
             raise SaveError(f"save to {ckpt.root} planned nothing: {reply['error']}")
         self.stats["plans"] += 1
+        self._token = reply["token"]
         cached = CachedPlan(reply["assignments"][comm.rank], gplan,
                             [m["key"] for m in msgs] if comm.is_coordinator else [])
         self._plans[plan.key] = cached
@@ -291,7 +300,8 @@ class Checkpointer:
         """Write this rank's pieces, then commit on the coordinator once every rank reported."""
         plan = job.plan
         try:
-            written = write_items(job.ckpt, comm.rank, job.items, job.num_threads, CHECKSUM_BLOCK_BYTES)
+            written = write_items(job.ckpt, comm.rank, job.items, job.num_threads, CHECKSUM_BLOCK_BYTES,
+                                  prefix=f"{self._token}-{job.number}-")
             per_rank = dict(plan.values["per_rank"])
             for it in job.items:
                 if it.key[0] == "v":
@@ -314,7 +324,7 @@ class Checkpointer:
         if comm.is_coordinator:
             try:
                 md = _commit_metadata(job, reports, comm.world_size)
-                _remove_stale_files(job.ckpt, md)
+                _remove_stale_files(job.ckpt, md, self._token)
                 job.ckpt.write_atomic(METADATA_FILE, md.dumps())
                 if job.tracker_name:
                     job.root.write_atomic(TRACKER_FILE, job.tracker_name.encode())
@@ -390,11 +400,12 @@ def _warn_differing_values(reports: list[dict]) -> None:
                     ", ".join(f"{k} (ranks {v})" for k, v in sorted(differ.items())[:8]))
 
 
-def _remove_stale_files(ckpt: Storage, md: CheckpointMetadata) -> None:
-    """Data files of an older save at the same path that this save did not rewrite."""
+def _remove_stale_files(ckpt: Storage, md: CheckpointMetadata, token: str) -> None:
+    """This job's data files from an earlier save to the same path. Other jobs' files are left alone:
+    one may be writing here right now (`bcp prune` cleans up after crashed jobs)."""
     keep = {f.split("/", 1)[1] for f in md.files}
     for name in ckpt.listdir("data"):
-        if name not in keep:
+        if name.startswith(f"{token}-") and name not in keep:
             ckpt.remove(f"data/{name}")
 
 

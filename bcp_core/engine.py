@@ -95,7 +95,7 @@ def _split_files(items: list[WriteItem], num_files: int) -> list[list[WriteItem]
 
 
 def write_items(storage: Storage, rank: int, items: list[WriteItem], num_files: int,
-                block: int) -> list[WrittenPiece]:
+                block: int, prefix: str = "") -> list[WrittenPiece]:
     """Write this rank's pieces into up to `num_files` files in parallel; report where each landed.
 
     Checksums are computed on other threads while the writer threads copy bytes into the files,
@@ -110,7 +110,7 @@ def write_items(storage: Storage, rank: int, items: list[WriteItem], num_files: 
         sums = {id(it): sum_pool.submit(_checksum_blocks, tensor_bytes(it.tensor), block) for it in items}
 
         def write_file(k: int) -> list[tuple[WriteItem, str, int, int]]:
-            rel = f"data/r{rank}_{k}.safetensors"
+            rel = f"data/{prefix}r{rank}_{k}.safetensors"
             header = _header(bins[k])
             writer = storage.open_writer(rel)
             placed = []
