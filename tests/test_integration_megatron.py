@@ -312,8 +312,8 @@ def _optimizer_sd(tp, tp_rank, dp, dp_rank, split):
                 state.append(st)
         at += n
     bucket = torch.arange(lo, hi, dtype=torch.float32)
-    plain = ShardedTensor(f"optimizer.tp{tp}_{tp_rank}.bucket.exp_avg", bucket, bucket.dtype, (hi - lo,), (sum(sizes),), (lo,),
-                          axis_fragmentations=None)
+    plain = ShardedTensor(f"optimizer.tp{tp}_{tp_rank}.bucket.exp_avg", bucket, bucket.dtype, (hi - lo,),
+                          (sum(sizes),), (lo,), axis_fragmentations=None)
     return {"optimizer": {"param_state": state, "bucket": plain, "step": 7}}
 
 
@@ -580,3 +580,24 @@ def test_export_tool_writes_megatron_checkpoint_as_safetensors(gpt_run, tmp_path
                     assert torch.equal(t, expected(k, t.shape)), k
                     seen += 1
     assert seen == 17
+
+
+def test_direct_entry_points_keep_objects_values_and_padded_shapes(tmp_path):
+    """One process, no dist_checkpointing: BytesIO extra state, plain values, a padded vocabulary."""
+    import io
+
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    import bcp_integrations.megatron as bm
+    emb = expected("emb", (10, 4))
+    src = {"emb": ShardedTensor.from_rank_offsets("emb", emb.clone(), allow_shape_mismatch=True),
+           "extra": ShardedObject("layer._extra_state", io.BytesIO(b"\x00fp8"), (1,), (0,)),
+           "iteration": 42}
+    bm.save(src, str(tmp_path)).wait()
+    # the resumed model pads its vocabulary to 12 rows: the 2 new rows come back zero
+    dst = {"emb": ShardedTensor.from_rank_offsets("emb", torch.full((12, 4), SENTINEL), allow_shape_mismatch=True),
+           "extra": ShardedObject("layer._extra_state", None, (1,), (0,)), "iteration": None}
+    out = bm.load(dst, str(tmp_path))
+    assert torch.equal(out["emb"][:10], emb) and torch.equal(out["emb"][10:], torch.zeros(2, 4))
+    assert isinstance(out["extra"], io.BytesIO) and out["extra"].getvalue() == b"\x00fp8"
+    assert out["iteration"] == 42

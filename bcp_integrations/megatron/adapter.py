@@ -268,6 +268,9 @@ def load_state(sharded_state_dict: dict, saved_shapes: dict[str, tuple] | None =
 
 def _clip(box: Box, saved_shape: tuple, data: torch.Tensor):
     """For allow_shape_mismatch: the box restricted to the saved tensor (data zeroed outside it)."""
+    if len(saved_shape) != len(box.offsets):
+        raise ShapeMismatchError(f"saved tensor has {len(saved_shape)} dims, the target has "
+                                 f"{len(box.offsets)}")
     data.zero_()
     offs, lens, view = [], [], box.view
     for d, (o, n, g) in enumerate(zip(box.offsets, box.lengths, saved_shape)):
@@ -277,9 +280,6 @@ def _clip(box: Box, saved_shape: tuple, data: torch.Tensor):
         view = view.narrow(d, 0, n)
         offs.append(o)
         lens.append(n)
-    if len(saved_shape) != len(box.offsets):
-        raise ShapeMismatchError(f"saved tensor has {len(saved_shape)} dims, the target has "
-                                 f"{len(box.offsets)}")
     return tuple(saved_shape), Box(tuple(offs), tuple(lens), view)
 
 
