@@ -161,6 +161,9 @@ def detect_framework(state: dict) -> str:
 
 
 def resolve_framework(state: dict, framework: str) -> ModuleAdapter:
+    if not isinstance(state, dict):
+        raise UnsupportedValueError(f"state must be a dict (e.g. {{'model': model, 'optimizer': optim}}), "
+                                    f"got {type(state).__name__}")
     if framework not in FRAMEWORKS:
         raise BCPError(f"unknown framework {framework!r}; expected one of {', '.join(FRAMEWORKS)}")
     found = detect_framework(state)
