@@ -271,6 +271,9 @@ class Storage(ABC):
     """A directory tree in some store, rooted at `root`."""
 
     schemes: ClassVar[tuple[str, ...]] = ()
+    # Whether the bytes live across a network (object stores, HDFS): reading once and sharing
+    # between ranks pays off there, not for local disk or RAM.
+    remote: ClassVar[bool] = True
 
     def __init__(self, root: str, fsync: bool = True):
         self.root = root
@@ -401,6 +404,7 @@ class LocalStorage(Storage):
     """A POSIX directory (local disk, NFS, Lustre...)."""
 
     schemes = ("file",)
+    remote = False  # POSIX paths count as local; a loader spots a multi-node job by its node count
 
     def __init__(self, root: str, fsync: bool = True):
         super().__init__(root.removeprefix("file://"), fsync)
@@ -755,6 +759,7 @@ class FsspecStorage(Storage):
         self.fs, self.path = fs, path.rstrip("/")
         protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
         self.protocols = set(protocols)
+        self.remote = not self.protocols & {"memory", "file", "local"}
         if upload is None:
             if self.protocols & {"s3", "s3a"} and hasattr(fs, "call_s3"):
                 upload = "multipart"
