@@ -23,7 +23,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -108,9 +108,22 @@ class Recorder(Callback):
                        os.path.join(self.out, f"state_{tag}.pt"))
 
 
+class CPUFSDPStrategy(FSDPStrategy):
+    """FSDPStrategy (FSDP1) on CPU, for trying it without a GPU: Lightning refuses CPU for FSDP, and
+    FSDP1 needs device_id=cpu, which Lightning does not pass. On GPUs use FSDPStrategy itself."""
+
+    def _setup_model(self, model):
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        model = FullyShardedDataParallel(model, sharding_strategy=self.sharding_strategy,
+                                         device_id=torch.device("cpu"), **self.kwargs)
+        return super()._setup_model(model)
+
+
 def build_trainer(args, world: int, callbacks: list) -> L.Trainer:
     if args.strategy == "fsdp2":
         strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    elif args.strategy == "fsdp":
+        strategy = "fsdp" if torch.cuda.is_available() else CPUFSDPStrategy()
     else:
         strategy = "ddp" if world > 1 else "auto"
     plugins = [] if args.native else [BCPCheckpointIO()]
@@ -123,7 +136,10 @@ def run_phase(args) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     L.seed_everything(0, verbose=False)
     os.makedirs(args.out, exist_ok=True)
-    callbacks = [Recorder(args.out, dump_at_step=args.dump_at_step, dump_at_start=args.resume is not None)]
+    # (FSDP1 full state dicts segfault on CPU, so the fsdp runs record losses only)
+    dumps = args.strategy != "fsdp"
+    callbacks = [Recorder(args.out, dump_at_step=args.dump_at_step if dumps else None,
+                          dump_at_start=dumps and args.resume is not None)]
     if args.ckpt_dir:
         # keep every checkpoint here; keep only the newest one (the highest step) in a second directory
         callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, filename="{step}", every_n_train_steps=args.every,
@@ -148,7 +164,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--phase", choices=["demo", "run"], default="demo")
     p.add_argument("--out", default=None, help="working directory (default: a temporary one)")
-    p.add_argument("--strategy", choices=["ddp", "fsdp2"], default="ddp")
+    p.add_argument("--strategy", choices=["ddp", "fsdp2", "fsdp"], default="ddp")
     p.add_argument("--max-steps", type=int, default=2)
     p.add_argument("--every", type=int, default=2, help="ModelCheckpoint every_n_train_steps")
     p.add_argument("--ckpt-dir", default=None)

@@ -3,8 +3,8 @@
 Runs recipes/lightning_resume.py in its `--phase run` mode:
   A  DDP, 2 ranks, 4 steps, bcp checkpoints every 2 steps (also the uninterrupted reference)
   N  DDP, 2 ranks, 2 steps, Lightning's own checkpoints (reference for the 1-process resume)
-  then resumes from A's step-2 checkpoint on DDP 2 ranks, on 1 process, on FSDP2 2 ranks,
-  and from N's on 1 process. The step-2 checkpoint ends an epoch (16 samples, 2 x 4 per step),
+  then resumes from A's step-2 checkpoint on DDP 2 ranks, on FSDP2 2 ranks, on FSDP1 2 ranks
+  (saving again from FSDP1), on 1 process, and from N's on 1 process. The step-2 checkpoint ends an epoch (16 samples, 2 x 4 per step),
   so the data position is the epoch, which Lightning's loop state carries.
 """
 
@@ -60,6 +60,22 @@ def _assert_same_state(a: dict, b: dict, rng: bool = True) -> None:
         assert torch.equal(g.get_state(), b["rng"]), "torch RNG state not restored"
 
 
+def _tensors(path) -> dict[str, torch.Tensor]:
+    """Model and optimizer tensors of a checkpoint, loaded as plain tensors in this process."""
+    state: dict = {"model": {}, "optimizer_0": {}}
+    bcp.load(path, state, strict=False)
+    out = {}
+
+    def walk(prefix, d):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(f"{prefix}{k}.", v)
+            elif isinstance(v, torch.Tensor):
+                out[prefix + k] = v
+    walk("", state)
+    return out
+
+
 @pytest.mark.timeout(600)
 def test_lightning_save_resume_across_world_sizes_and_strategies(tmp_path):
     a, n = tmp_path / "a", tmp_path / "n"
@@ -73,7 +89,7 @@ def test_lightning_save_resume_across_world_sizes_and_strategies(tmp_path):
     assert sorted(os.listdir(ckpt)) == ["step=2.ckpt", "step=4.ckpt"]
     for name in os.listdir(ckpt):
         md = bcp.inspect(os.path.join(ckpt, name))
-        assert md.world_size == 2 and any(f.startswith("data/r1") for f in md.files), md.files
+        assert md.world_size == 2 and {p.rank for t in md.tensors.values() for p in t.pieces} == {0, 1}
     # save_top_k=1: the older checkpoint was removed through remove_checkpoint
     assert os.listdir(ckpt + "_newest") == ["newest-step=4.ckpt"]
 
@@ -91,6 +107,17 @@ def test_lightning_save_resume_across_world_sizes_and_strategies(tmp_path):
     _run(2, "--strategy", "fsdp2", "--out", str(tmp_path / "f2"), "--resume", step2, "--max-steps", "4")
     _assert_same_state(saved, torch.load(tmp_path / "f2" / "state_start.pt", weights_only=False))
     assert _losses(tmp_path / "f2") == {3: uninterrupted[3], 4: uninterrupted[4]}
+
+    # DDP -> FSDPStrategy (FSDP1, flat-parameter shards; on CPU through the recipe's CPUFSDPStrategy):
+    # same losses, and the step-4 checkpoint it writes holds exactly the DDP run's step-4 state
+    _run(2, "--strategy", "fsdp", "--out", str(tmp_path / "f1"), "--resume", step2, "--max-steps", "4",
+         "--ckpt-dir", str(tmp_path / "f1_ckpt"))
+    assert _losses(tmp_path / "f1") == {3: uninterrupted[3], 4: uninterrupted[4]}
+    assert bcp.inspect(tmp_path / "f1_ckpt" / "step=4.ckpt").framework == "fsdp"
+    ddp4, fsdp4 = _tensors(os.path.join(ckpt, "step=4.ckpt")), _tensors(tmp_path / "f1_ckpt" / "step=4.ckpt")
+    assert ddp4.keys() == fsdp4.keys() and len(ddp4) == 6 * 4  # 6 parameters, 3 Adam tensors each
+    for k in ddp4:
+        assert torch.equal(ddp4[k], fsdp4[k]), k
 
     # 2 -> 1 process: bit-identical state, and the same losses as Lightning resuming its own
     # checkpoint of the same run on 1 process
