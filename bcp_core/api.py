@@ -175,7 +175,7 @@ def load(path: str | os.PathLike, state: dict, framework: str = "auto", strict: 
             else:
                 items.extend(read_items(fqn, tm, target.tensor))
     if share_reads or (share_reads is None and worth_sharing(st, process_group)):
-        comm = Comm(process_group, timeout, tag="load")
+        comm = _load_comm(process_group, timeout)
         read_all_shared(st, md.files, md.checksum_block_bytes, items, verify_checksums, num_threads,
                         process_group, comm)
     else:
@@ -215,6 +215,17 @@ class ShardReader:
         except ValueError as e:
             raise MetadataError(f"{what} in {self._md.files[p.file]} is not valid JSON: {e}") from None
         return codec.decode(raw, self.fqn, self._allow_pickle)
+
+
+_LOAD_COMMS: dict = {}
+
+
+def _load_comm(process_group, timeout) -> Comm:
+    """One Comm per group for loads: its operation numbers keep growing, so keys never repeat."""
+    key = (id(process_group), timeout)
+    if key not in _LOAD_COMMS:
+        _LOAD_COMMS[key] = Comm(process_group, timeout, tag="load")
+    return _LOAD_COMMS[key]
 
 
 def _set(target: LoadTarget, value: Any) -> None:
