@@ -31,6 +31,11 @@ def _load_counting_reads(rank, world_size, root):
     loaded = full_state(ddp, ddp_opt)
     if rank == 0:
         assert_same(ref, loaded, "fsdp2 -> ddp with shared reads")
+    again, again_opt = build("ddp", seed=6)  # a second shared load must not see the first one's messages
+    bcp.load(os.path.join(root, "ck"), {"model": again, "optimizer": again_opt}, share_reads=True)
+    loaded = full_state(again, again_opt)
+    if rank == 0:
+        assert_same(ref, loaded, "second load with shared reads")
     return [r for r in reads if not r[0].endswith(".json")]
 
 
