@@ -12,7 +12,10 @@ slowest rank's wall time between barriers, median of --repeat runs after one war
 - async save stall: the `dist_checkpointing.save(..., async_sharded_save=True)` call plus the
   request's `preload_fn` (torch_dist's staging), i.e. what training waits for before the
   background part; the request is then completed with `execute_sync()` (Megatron's
-  AsyncCallsQueue makes CUDA calls, so it cannot run here);
+  AsyncCallsQueue makes CUDA calls, so it cannot run here). On CPU, torch_dist's preload
+  (`.to("cpu")` of CPU tensors) copies nothing: its stall here omits the snapshot copy it makes
+  on GPU (D2H), and its later writes read the live tensors (Megatron relies on fork's
+  copy-on-write there). bcp's stall is a real copy of the state;
 - load into the same layout (TP=2) and resharded into TP=1 (DP=2): `dist_checkpointing.load`.
 
 Prints one JSON row with the times and the ratios torch_dist / bcp (> 1: bcp is faster).
