@@ -1,4 +1,4 @@
-"""Planning communication between ranks, through the job's c10d key-value store.
+"""Planning communication between ranks, through the job's c10d key-value store, over a tree.
 
 Plans and commit reports are small JSON messages. They travel through the store every
 `torch.distributed` job already has (the TCPStore behind the default group), under keys private
@@ -8,11 +8,23 @@ does not arrive produces an error naming the missing ranks and the phase instead
 
 Each `Comm` (one per checkpointer role) numbers its operations; all ranks perform the same
 operations in the same order, so operation k of every rank meets under the same keys.
+
+Messages flow over a tree (paper §5.2), so that no rank waits on, or decodes, thousands of
+messages: the ranks of one node form the first level under the node's lowest rank (its leader);
+node leaders are grouped `fan_in` at a time under the lowest rank of each group, and so on until
+one root, the coordinator (rank 0). No tree node has more than `fan_in` children. A gather sends
+each subtree's messages as one combined message (concatenated JSON, never re-encoded on the way);
+a broadcast or scatter walks the tree down. The node size comes from the launcher
+(`LOCAL_WORLD_SIZE`), or `BCP_LOCAL_WORLD_SIZE` to simulate several nodes on one machine;
+`BCP_FAN_IN` overrides the fan-in.
 """
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -21,6 +33,10 @@ import torch.distributed as dist
 from .errors import BCPError
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+DEFAULT_FAN_IN = 32
+
+# First byte of a message sent down the tree: one value for every rank, or one per rank.
+_ALL, _EACH = b"A", b"E"
 
 
 class CommTimeoutError(BCPError):
@@ -34,24 +50,120 @@ def _default_store():
         raise BCPError(f"cannot reach the process group's key-value store on torch {dist.__name__}: {e}") from None
 
 
-class Comm:
-    """Message exchange for planning; rank 0 of the group is the coordinator."""
+@dataclass(frozen=True)
+class Tree:
+    """The communication tree over group ranks 0..n-1.
 
-    def __init__(self, group=None, timeout: timedelta = DEFAULT_TIMEOUT, tag: str = "default"):
+    `children[r]` lists, per tree level that rank r leads (lowest level first), the ranks it
+    receives from there. Every subtree is a contiguous range of ranks, `r .. r + span[r] - 1`,
+    so concatenating a rank's own message and its children's subtree messages in rank order
+    gives its subtree's messages in rank order.
+    """
+
+    parent: tuple[int | None, ...]
+    children: tuple[tuple[tuple[int, ...], ...], ...]
+    span: tuple[int, ...]
+
+    @property
+    def depth(self) -> int:
+        """Hops from the deepest rank up to the root."""
+        deepest = 0
+        for r in range(len(self.parent)):
+            d, p = 0, self.parent[r]
+            while p is not None:
+                d, p = d + 1, self.parent[p]
+            deepest = max(deepest, d)
+        return deepest
+
+    def ancestors(self, rank: int) -> list[int]:
+        """From the root down to `rank`'s parent."""
+        out = []
+        p = self.parent[rank]
+        while p is not None:
+            out.append(p)
+            p = self.parent[p]
+        return out[::-1]
+
+    def leaders(self) -> list[int]:
+        return [r for r, levels in enumerate(self.children) if levels]
+
+
+def build_tree(nodes: Sequence[int], fan_in: int) -> Tree:
+    """The tree for ranks whose node ids are `nodes` (one per group rank, in rank order).
+
+    Level 0: the ranks of a node, under the node's lowest rank (a node with more than `fan_in`
+    other ranks is cut into several blocks). Each next level groups the previous level's leaders,
+    `fan_in + 1` at a time, under the lowest of them, until a single root is left.
+    """
+    if fan_in < 1:
+        raise BCPError(f"fan_in must be at least 1, got {fan_in}")
+    n = len(nodes)
+    blocks: list[list[int]] = []
+    start = 0
+    for r in range(1, n + 1):
+        if r == n or nodes[r] != nodes[start]:
+            blocks.extend(list(range(b, min(b + fan_in + 1, r))) for b in range(start, r, fan_in + 1))
+            start = r
+    parent: list[int | None] = [None] * n
+    children: list[list[tuple[int, ...]]] = [[] for _ in range(n)]
+    while True:
+        for block in blocks:
+            if len(block) > 1:
+                children[block[0]].append(tuple(block[1:]))
+            for c in block[1:]:
+                parent[c] = block[0]
+        leaders = [block[0] for block in blocks]
+        if len(leaders) <= 1:
+            break
+        blocks = [leaders[i:i + fan_in + 1] for i in range(0, len(leaders), fan_in + 1)]
+    span = [1] * n
+    for r in range(n - 1, -1, -1):  # children have higher ranks than their leader
+        span[r] += sum(span[c] for level in children[r] for c in level)
+    return Tree(tuple(parent), tuple(tuple(levels) for levels in children), tuple(span))
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise BCPError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+class Comm:
+    """Message exchange for planning; rank 0 of the group is the coordinator.
+
+    `local_world_size`: ranks per node, nodes holding consecutive global ranks (default:
+    `BCP_LOCAL_WORLD_SIZE`, else the launcher's `LOCAL_WORLD_SIZE`, else one node).
+    `fan_in`: the most children any tree node has (default: `BCP_FAN_IN`, else 32).
+    """
+
+    def __init__(self, group=None, timeout: timedelta = DEFAULT_TIMEOUT, tag: str = "default", *,
+                 fan_in: int | None = None, local_world_size: int | None = None):
         self.distributed = dist.is_available() and dist.is_initialized()
         self.collectives = 0  # operations performed, for tests and metrics
+        self.max_wait_keys = 0  # the most messages this rank waited on at once (the fan-in it saw)
         self.timeout = timeout
         self._seq = 0
         self._stale: list[str] = []  # keys every rank has finished with, deleted by the coordinator
-        if self.distributed:
-            self.rank = dist.get_rank(group)
-            self.world_size = dist.get_world_size(group)
-            members = dist.get_process_group_ranks(group) if group is not None else range(self.world_size)
-            # keys are private to bcp, this role and this set of ranks
-            self._prefix = f"bcp/{tag}/{_members_id(members)}/"
-            self._store = _default_store()
-        else:
+        if not self.distributed:
             self.rank, self.world_size = 0, 1
+            self.tree = build_tree([0], 1)
+            return
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        members = list(dist.get_process_group_ranks(group)) if group is not None else list(range(self.world_size))
+        # keys are private to bcp, this role and this set of ranks
+        self._prefix = f"bcp/{tag}/{_members_id(members)}/"
+        self._store = _default_store()
+        fan_in = fan_in if fan_in is not None else _env_int("BCP_FAN_IN") or DEFAULT_FAN_IN
+        local = local_world_size or _env_int("BCP_LOCAL_WORLD_SIZE") or _env_int("LOCAL_WORLD_SIZE")
+        if local is not None and local < 1:
+            raise BCPError(f"local world size must be at least 1, got {local}")
+        # a node holds consecutive global ranks; a subgroup's members are placed by their global rank
+        self.tree = build_tree([m // local for m in members] if local else [0] * len(members), fan_in)
 
     @property
     def is_coordinator(self) -> bool:
@@ -64,60 +176,136 @@ class Comm:
         self._seq += 1
         return f"{self._prefix}{self._seq}"
 
-    def _wait(self, keys: list[str], phase: str, ranks: list[int]) -> None:
+    # -- up the tree -------------------------------------------------------------------------------
+
+    def _up(self, base: str, mine: bytes, phase: str) -> bytes | None:
+        """This subtree's messages as one JSON array in rank order: sent to the parent, or returned
+        on the coordinator."""
+        parts = [mine]
+        levels = self.tree.children[self.rank]
+        if levels:
+            # lets a waiting ancestor tell a leader that never came from one still waiting below
+            self._store.set(f"{base}/{self.rank}/a", b"")
+        for kids in levels:
+            keys = [f"{base}/{c}" for c in kids]
+            self._wait_up(base, keys, kids, phase)
+            parts.extend(v[1:-1] for v in self._store.multi_get(keys))  # strip each array's brackets
+        combined = b"[" + b",".join(parts) + b"]"
+        if not self.is_coordinator:
+            self._store.set(f"{base}/{self.rank}", combined)
+            return None
+        # Every rank has sent this operation, so all have finished the operations before it.
+        for k in self._stale:
+            self._store.delete_key(k)
+        self._stale = [f"{base}/{r}" for r in range(1, self.world_size)] + \
+                      [f"{base}/{r}/a" for r in self.tree.leaders()]
+        return combined
+
+    def _wait_up(self, base: str, keys: list[str], kids: Sequence[int], phase: str) -> None:
+        self.max_wait_keys = max(self.max_wait_keys, len(keys))
         try:
             self._store.wait(keys, self.timeout)
         except Exception as e:  # noqa: BLE001 - the store raises a bare RuntimeError/DistStoreError on timeout
-            missing = [r for r, k in zip(ranks, keys) if not self._store.check([k])]
-            raise CommTimeoutError(
-                f"bcp {phase}: rank {self.rank} waited {self.timeout} for rank(s) {missing or ranks} "
-                f"that never arrived ({type(e).__name__}); they may have crashed or be stuck elsewhere") from None
+            missing = [m for c in kids for m in self._missing_below(base, c)]
+            raise self._timeout(phase, missing or list(kids), e) from None
+
+    def _missing_below(self, base: str, rank: int) -> list[int]:
+        """The ranks of `rank`'s subtree that never sent: a leader that arrived is waiting on someone."""
+        if self._store.check([f"{base}/{rank}"]):
+            return []
+        if not self.tree.children[rank] or not self._store.check([f"{base}/{rank}/a"]):
+            return [rank]
+        return [m for kids in self.tree.children[rank] for c in kids for m in self._missing_below(base, c)]
+
+    # -- down the tree -----------------------------------------------------------------------------
+
+    def _down(self, base: str, message: bytes | None, phase: str) -> bytes:
+        """The coordinator's `message` (tagged _ALL or _EACH) arrives at every rank; returns this rank's copy."""
+        if not self.is_coordinator:
+            key = f"{base}/d/{self.rank}"
+            self.max_wait_keys = max(self.max_wait_keys, 1)
+            try:
+                # Twice the timeout: the coordinator may itself be waiting up to `timeout` for a
+                # missing rank, and its error naming that rank should reach us, not a second timeout.
+                self._store.wait([key], 2 * self.timeout)
+            except Exception as e:  # noqa: BLE001 - see _wait_up
+                chain = self.tree.ancestors(self.rank) + [self.rank]
+                # the first rank on the path from the root that did not pass the message on
+                stuck = next((a for a, b in zip(chain, chain[1:]) if not self._store.check([f"{base}/d/{b}"])),
+                             chain[-2])
+                raise self._timeout(phase, [stuck], e, 2 * self.timeout) from None
+            message = self._store.get(key)
+        else:
+            self._stale.extend(f"{base}/d/{r}" for r in range(1, self.world_size))
+        kids = [c for level in self.tree.children[self.rank] for c in level]
+        if kids and message[:1] == _EACH:
+            items = json.loads(message[1:])
+            for c in kids:
+                sub = items[c - self.rank:c - self.rank + self.tree.span[c]]
+                self._store.set(f"{base}/d/{c}", _EACH + _encode(sub))
+            return _EACH + _encode(items[:1])
+        for c in kids:
+            self._store.set(f"{base}/d/{c}", message)
+        return message
+
+    def _timeout(self, phase: str, missing: list[int], cause: Exception,
+                 waited: timedelta | None = None) -> CommTimeoutError:
+        return CommTimeoutError(
+            f"bcp {phase}: rank {self.rank} waited {waited or self.timeout} for rank(s) {missing} "
+            f"that never arrived ({type(cause).__name__}); they may have crashed or be stuck elsewhere")
+
+    # -- operations --------------------------------------------------------------------------------
 
     def gather(self, obj: Any, phase: str = "gather") -> list[Any] | None:
         """Every rank's `obj` on the coordinator (in rank order); None elsewhere."""
         if not self.distributed:
             self.collectives += 1
             return [obj]
-        base = self._next()
-        self._store.set(f"{base}/{self.rank}", _encode(obj))
-        if not self.is_coordinator:
-            return None
-        keys = [f"{base}/{r}" for r in range(self.world_size)]
-        self._wait(keys, phase, list(range(self.world_size)))
-        values = self._store.multi_get(keys)
-        # Every rank has sent operation k, so all have finished operations before it.
-        for k in self._stale:
-            self._store.delete_key(k)
-        self._stale = keys
-        return [_decode(v) for v in values]
+        combined = self._up(self._next(), _encode(obj), phase)
+        return None if combined is None else _decode(combined)
 
     def broadcast(self, obj: Any = None, phase: str = "broadcast") -> Any:
         """The coordinator's `obj` on every rank."""
         if not self.distributed:
             self.collectives += 1
             return obj
-        key = f"{self._next()}/b"
-        if self.is_coordinator:
-            self._store.set(key, _encode(obj))
-            self._stale.append(key)
-            return obj
-        self._wait([key], phase, [0])
-        return _decode(self._store.get(key))
+        return _unpack(self._down(self._next(), _ALL + _encode(obj) if self.is_coordinator else None, phase))
+
+    def scatter(self, objs: list[Any] | None = None, phase: str = "scatter") -> Any:
+        """`objs[r]` on rank r (`objs` is read on the coordinator only).
+
+        Each leader receives only its subtree's part, so no rank handles every rank's message.
+        Ranks calling `scatter` while the coordinator calls `broadcast` (an error it tells every
+        rank about) receive the broadcast value.
+        """
+        if self.is_coordinator and (objs is None or len(objs) != self.world_size):
+            raise BCPError(f"scatter needs one object per rank ({self.world_size}), got "
+                           f"{None if objs is None else len(objs)}")
+        if not self.distributed:
+            self.collectives += 1
+            return objs[0]
+        return _unpack(self._down(self._next(), _EACH + _encode(objs) if self.is_coordinator else None, phase))
 
     def all_gather(self, obj: Any, phase: str = "all_gather") -> list[Any]:
         if not self.distributed:
             self.collectives += 1
             return [obj]
         base = self._next()
-        self._store.set(f"{base}/{self.rank}", _encode(obj))
-        keys = [f"{base}/{r}" for r in range(self.world_size)]
-        self._wait(keys, phase, list(range(self.world_size)))
-        if self.is_coordinator:
-            self._stale.extend(keys)
-        return [_decode(v) for v in self._store.multi_get(keys)]
+        combined = self._up(base, _encode(obj), phase)
+        return _decode(self._down(base, _ALL + combined if combined is not None else None, phase)[1:])
 
     def barrier(self, phase: str = "barrier") -> None:
-        self.all_gather(None, phase)
+        if not self.distributed:
+            self.collectives += 1
+            return
+        base = self._next()
+        done = self._up(base, b"0", phase)
+        self._down(base, _ALL + b"0" if done is not None else None, phase)
+
+
+def _unpack(message: bytes) -> Any:
+    value = _decode(message[1:])
+    return value[0] if message[:1] == _EACH else value
 
 
 def _members_id(members) -> str:
