@@ -550,16 +550,22 @@ def test_ckpt_format_bcp_parses_as_the_dist_checkpointing_path():
     megatron_lm._state["selected"] = False
 
 
-def test_enable_megatron_lm_routes_saves_through_bcp():
+def test_enable_megatron_lm_routes_saves_through_bcp(monkeypatch):
     pytest.importorskip("megatron.training", reason="Megatron-LM (megatron.training) is not installed: "
                         "megatron-core on PyPI ships no training loop")
-    from megatron.training import checkpointing
+    import sys
+
+    from megatron.training import checkpointing, initialize
 
     from bcp_integrations.megatron import BcpSaveShardedStrategy, enable_megatron_lm, megatron_lm
     enable_megatron_lm()
-    megatron_lm._state["selected"] = True
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--ckpt-format", "bcp", "--num-layers", "2",
+                                      "--hidden-size", "32", "--num-attention-heads", "4"])
+    megatron_lm._state["selected"] = False
     try:
-        assert isinstance(checkpointing.get_default_save_sharded_strategy("torch_dist"), BcpSaveShardedStrategy)
+        args = initialize.parse_args(None, False)  # what initialize_megatron calls inside pretrain()
+        assert args.ckpt_format == "torch_dist" and megatron_lm.bcp_selected()
+        assert isinstance(checkpointing.get_default_save_sharded_strategy(args.ckpt_format), BcpSaveShardedStrategy)
     finally:
         megatron_lm._state["selected"] = False
     assert not isinstance(checkpointing.get_default_save_sharded_strategy("torch_dist"), BcpSaveShardedStrategy)
