@@ -128,7 +128,8 @@ def build_trainer(args, world: int, callbacks: list) -> L.Trainer:
         strategy = "ddp" if world > 1 else "auto"
     plugins = [] if args.native else [BCPCheckpointIO()]
     return L.Trainer(accelerator="cpu", devices=world, strategy=strategy, plugins=plugins, max_steps=args.max_steps,
-                     callbacks=callbacks, logger=False, enable_checkpointing=bool(args.ckpt_dir), default_root_dir=args.out, enable_progress_bar=False, enable_model_summary=False,
+                     callbacks=callbacks, logger=False, enable_checkpointing=bool(args.ckpt_dir),
+                     default_root_dir=args.out, enable_progress_bar=False, enable_model_summary=False,
                      num_sanity_val_steps=0, deterministic=True)
 
 

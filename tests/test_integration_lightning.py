@@ -4,8 +4,9 @@ Runs recipes/lightning_resume.py in its `--phase run` mode:
   A  DDP, 2 ranks, 4 steps, bcp checkpoints every 2 steps (also the uninterrupted reference)
   N  DDP, 2 ranks, 2 steps, Lightning's own checkpoints (reference for the 1-process resume)
   then resumes from A's step-2 checkpoint on DDP 2 ranks, on FSDP2 2 ranks, on FSDP1 2 ranks
-  (saving again from FSDP1), on 1 process, and from N's on 1 process. The step-2 checkpoint ends an epoch (16 samples, 2 x 4 per step),
-  so the data position is the epoch, which Lightning's loop state carries.
+  (saving again from FSDP1), on 1 process, and from N's on 1 process. The step-2 checkpoint ends an
+  epoch (16 samples, 2 x 4 per step), so the data position is the epoch, which Lightning's loop
+  state carries.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def _run(nproc: int, *args: str) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), RECIPE]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     proc = subprocess.run([*cmd, "--phase", "run", *args], env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"{' '.join(cmd)} {' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
 
 
 def _losses(d) -> dict[int, float]:

@@ -127,7 +127,7 @@ class BCPCheckpointIO(CheckpointIO):
 
 # Deriving from ABC (as Lightning's strategies do) keeps the mixed class's object layout equal to the
 # strategy's, which `bcp_strategy` needs to switch the class of an existing strategy object.
-class BCPStrategyMixin(ABC):
+class BCPStrategyMixin(ABC):  # noqa: B024 - ABC for the object layout, not for abstract methods
     """Put in front of a Lightning strategy class: checkpoints go through bcp on every rank.
 
     The strategy's ``checkpoint_io`` must be a ``BCPCheckpointIO`` (a default one is created if
@@ -159,10 +159,10 @@ class BCPStrategyMixin(ABC):
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         return {}
 
-    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:  # noqa: B027
         pass  # done by bcp in load_checkpoint
 
-    def load_optimizer_state_dict(self, checkpoint) -> None:
+    def load_optimizer_state_dict(self, checkpoint) -> None:  # noqa: B027
         pass
 
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
