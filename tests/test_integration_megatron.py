@@ -131,13 +131,19 @@ def _gpt_layouts(rank, world_size, root):
     sd = model.sharded_state_dict()
     _fill(sd)
     dcp.save(sd, _dir(root, "tp2"), sharded_strategy=("bcp", 1))
-    req = dcp.save(model.sharded_state_dict(), _dir(root, "tp2_async"), sharded_strategy=("bcp", 1),
-                   async_sharded_save=True)
+    # Async through Megatron's own queue, as Megatron-LM schedules it. The queue puts its
+    # completion all-reduce on torch.cuda.current_device(), so that call alone is redirected.
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+    saved_cuda = torch.cuda.synchronize, torch.cuda.current_device
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(dcp.save(model.sharded_state_dict(), _dir(root, "tp2_async"),
+                                          sharded_strategy=("bcp", 1), async_sharded_save=True))
     _fill(model.sharded_state_dict(), 99.0)  # after staging: must not reach the checkpoint
     out["async_metadata_before_finalize"] = os.path.exists(os.path.join(root, "tp2_async", "metadata.json"))
-    req.execute_sync()  # what Megatron's AsyncCallsQueue does, minus its CUDA calls
+    torch.cuda.current_device = lambda: "cpu"
+    out["async_finalized"] = queue.maybe_finalize_async_calls(blocking=True)
+    torch.cuda.current_device = saved_cuda[1]
     _fill(model.sharded_state_dict())
-    saved_cuda = torch.cuda.synchronize, torch.cuda.current_device
     _torch_dist_on_cpu()
     dcp.save(model.sharded_state_dict(), _dir(root, "torch_dist"), sharded_strategy=("torch_dist", 1))
     torch.cuda.synchronize, torch.cuda.current_device = saved_cuda
@@ -225,6 +231,7 @@ def test_async_save_writes_the_state_at_staging_time(gpt_run):
     results = gpt_run[1]
     # Megatron's metadata.json comes after bcp's commit, in the request's finalize step
     assert not any(r["async_metadata_before_finalize"] for r in results)
+    assert all(r["async_finalized"] == [0] for r in results)
     _assert_case(results, "async_tp2_to_tp2")
 
 
