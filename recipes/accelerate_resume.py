@@ -101,6 +101,43 @@ def run_phase(args) -> None:
     accelerator.end_training()  # waits for the last asynchronous save
 
 
+def run_packed(args) -> None:
+    """Token batches from bcp's PackedTokenLoader, registered with register_for_checkpointing: its
+    state goes through bcp's dataloader support and is split/merged when the process count changes."""
+    from bcp_core.dataloader import PackedTokenLoader
+
+    accelerator = Accelerator(cpu=True)
+    if not args.native:
+        register(accelerator)
+    set_seed(0)
+    docs = {"web": [list(range(100 * i, 100 * i + 3 + i % 5)) for i in range(24)],
+            "code": [list(range(5000 + 100 * i, 5000 + 100 * i + 2 + i % 3)) for i in range(12)]}
+    loader = PackedTokenLoader(docs, seq_len=4, batch_size=2, dp_rank=accelerator.process_index,
+                               dp_size=accelerator.num_processes, seed=0, pad_id=-1)
+    model = nn.EmbeddingBag(8000, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=CONFIG["lr"])
+    model, opt = accelerator.prepare(model, opt)
+    accelerator.register_for_checkpointing(loader)
+    if args.resume:
+        accelerator.load_state(args.resume)
+    seen = []
+    for step, batch in enumerate(loader, start=1):
+        if args.max_steps and step > args.max_steps:
+            break  # ranks may hold different numbers of batches; DDP needs the same number of steps
+        seen.append(batch.tolist())
+        loss = model(batch.clamp(min=0)).pow(2).mean()
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        if args.save_dir and step == args.save_after_step:
+            accelerator.save_state(args.save_dir)
+            seen.append("saved")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"batches_rank{accelerator.process_index}.json"), "w") as f:
+        json.dump(seen, f)
+    accelerator.end_training()
+
+
 def relaunch(nproc: int, *extra: str) -> None:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
@@ -120,9 +157,12 @@ def main() -> None:
     p.add_argument("--save-after-epoch", type=int, default=1)
     p.add_argument("--resume", default=None, help="accelerator.load_state directory")
     p.add_argument("--native", action="store_true", help="Accelerate's own checkpoints instead of bcp (reference)")
+    p.add_argument("--packed", action="store_true", help="train on bcp's PackedTokenLoader (one epoch)")
+    p.add_argument("--save-after-step", type=int, default=2, help="with --packed: save_state after this batch")
+    p.add_argument("--max-steps", type=int, default=None, help="with --packed: stop after this many batches")
     args = p.parse_args()
     if args.phase == "run":
-        run_phase(args)
+        run_packed(args) if args.packed else run_phase(args)
         return
     if int(os.environ.get("WORLD_SIZE", "1")) != 2:
         sys.exit("run the demo with: torchrun --nproc_per_node 2 recipes/accelerate_resume.py")
