@@ -162,7 +162,10 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=None, help="with --packed: stop after this many batches")
     args = p.parse_args()
     if args.phase == "run":
-        run_packed(args) if args.packed else run_phase(args)
+        if args.packed:
+            run_packed(args)
+        else:
+            run_phase(args)
         return
     if int(os.environ.get("WORLD_SIZE", "1")) != 2:
         sys.exit("run the demo with: torchrun --nproc_per_node 2 recipes/accelerate_resume.py")
