@@ -294,3 +294,22 @@ def test_console_script_help():
     with pytest.raises(SystemExit) as info:
         cli.main(["export", "ckpt"])  # OUT and --to missing
     assert info.value.code == 2
+
+
+def test_verify_checks_sharded_values(tmp_path, capsys):
+    from bcp_core.shards import ObjectShard
+    ckpt = tmp_path / "ckpt"
+    state = {"model": {"w": torch.ones(3)},
+             "dataloader": {"epoch": 1, "buf": ObjectShard({"tokens": list(range(50))}, (0,), (2,))}}
+    bcp.save(str(ckpt), state).wait()
+    assert _bcp("inspect", str(ckpt)) == 0
+    assert "dataloader.buf: grid (2,), 1 shard(s)" in capsys.readouterr().out
+    md = bcp.inspect(str(ckpt))
+    shard = md.sharded_objects["dataloader.buf"].shards[0]
+    data = ckpt / md.files[shard.file]
+    raw = bytearray(data.read_bytes())
+    raw[shard.byte_offset + 5] ^= 0x01
+    data.write_bytes(bytes(raw))
+    assert _bcp("verify", str(ckpt)) == 1
+    out = capsys.readouterr().out
+    assert "FAULT [checksum]" in out and "sharded value 'dataloader.buf' index [0]" in out
