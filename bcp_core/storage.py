@@ -252,8 +252,7 @@ def with_retries(stage: str, where: str, fn: Callable[..., Any], *args: Any, **k
 class FileWriter(ABC):
     """A file being written sequentially. `close()` makes it durable and visible; nothing is visible before.
 
-    Callers must not modify a buffer passed to `write` until `close()` returned: object-store
-    writers may upload it in the background or write it again on a retry.
+    `write` has consumed (written or copied) the buffer when it returns, so callers may reuse it.
     """
 
     @abstractmethod
@@ -669,58 +668,39 @@ class _ComposeWriter(_PartUploader):
 class _StreamWriter(FileWriter):
     """One sequential stream per file (stores without parts or compose, e.g. HDFS via pyarrow).
 
-    The buffers written are kept (as views, no copy) so that a transient failure can be
-    retried by writing the whole file again.
+    Opening is retried. A failure in the middle of the stream is not: replaying it would mean
+    keeping every byte written so far, so the file (and the save) fails cleanly instead.
     """
 
     def __init__(self, st: FsspecStorage, relpath: str):
         self.st, self.path, self.url = st, st._p(relpath), st.join(relpath)
-        self.chunks: list[memoryview] = []
         self.f = with_retries("open for writing", self.url, st.fs.open, self.path, "wb")
-        self.broken: BaseException | None = None
+        self.written = 0
 
     def write(self, data: memoryview) -> None:
         data = memoryview(data).cast("B")
-        self.chunks.append(data)
-        if self.broken is None:
-            try:
-                self.f.write(data)
-            except Exception as e:  # noqa: BLE001 - replayed or reported at close
-                if not is_transient(e):
-                    raise
-                self.broken = e
-
-    def _rewrite(self) -> None:
-        with self.st.fs.open(self.path, "wb") as f:
-            for c in self.chunks:
-                f.write(c)
+        try:
+            self.f.write(data)
+        except Exception as e:
+            raise StorageError(f"rank {current_rank()}: write {self.url} failed at byte {self.written}: "
+                               f"{type(e).__name__}: {e}") from e
+        self.written += len(data)
 
     def close(self) -> None:
-        if self.broken is None:
-            try:
-                self.f.close()
-                self.st._invalidate(self.path)
-                return
-            except Exception as e:  # noqa: BLE001
-                if not is_transient(e):
-                    raise
-                self.broken = e
-        log.warning("bcp: rank %s: writing %s hit %s; writing the file again", current_rank(), self.url,
-                    self.broken)
-        with _STATS.lock:
-            _STATS.retries += 1
-        with_retries("write", self.url, self._rewrite)
+        try:
+            self.f.close()
+        except Exception as e:
+            raise StorageError(f"rank {current_rank()}: closing {self.url} after {self.written} bytes failed: "
+                               f"{type(e).__name__}: {e}") from e
         self.st._invalidate(self.path)
 
     def abort(self) -> None:
-        try:
-            self.f.close()
-        except Exception:  # noqa: BLE001 - best effort
-            pass
-        try:
-            self.st.fs.rm(self.path)
-        except Exception:  # noqa: BLE001
-            pass
+        # discard() (fsspec buffered files) drops the upload instead of committing what was buffered
+        for cleanup in (getattr(self.f, "discard", self.f.close), lambda: self.st.fs.rm(self.path)):
+            try:
+                cleanup()
+            except Exception:  # noqa: BLE001 - best effort; the save already failed
+                pass
 
 
 _WRITERS: dict[str, type[FileWriter]] = {
