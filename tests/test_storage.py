@@ -334,6 +334,10 @@ def test_fsspec_backend_on_fsspec_memory(small_io):
     assert st.listdir() == ["m.json"]
     child = st.child("sub")
     assert child.fs is st.fs and child.root == st.root + "/sub"
+    w = st.open_writer("aborted")
+    w.write(memoryview(b"partial"))
+    w.abort()
+    assert not st.exists("aborted")
 
 
 def test_memory_storage_is_shared_tmpfs(tmp_path, monkeypatch):
