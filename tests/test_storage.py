@@ -276,7 +276,8 @@ def test_s3_permanent_error_keeps_previous_checkpoint(s3, small_io):
 
 # ----------------------------------------------------------------------------- S3 details
 
-def test_s3_compose_upload_and_ranged_reads(s3, small_io):
+def test_s3_compose_upload_and_ranged_reads(s3, small_io, monkeypatch):
+    monkeypatch.setattr(bst, "COMPOSE_FAN_IN", 4)  # 6 parts: composed in a tree of two levels
     url = f"s3://{BUCKET}/compose-{uuid.uuid4().hex[:8]}"
     st = bst.FsspecStorage(url, upload="compose")
     data = os.urandom(5 * PART + 123)
