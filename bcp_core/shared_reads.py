@@ -33,7 +33,7 @@ def worth_sharing(storage: Storage, process_group) -> bool:
         return False
     if dist.get_world_size(process_group) < 2:
         return False
-    remote = not storage.root.startswith("/") and "://" in storage.root and not storage.root.startswith("file://")
+    remote = storage.remote
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size(process_group)))
     return remote or local_world < dist.get_world_size(process_group)
 
