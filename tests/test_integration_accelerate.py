@@ -66,7 +66,8 @@ def test_accelerate_save_load_state_across_num_processes(tmp_path):
     assert _losses(tmp_path / "n") == uninterrupted  # bcp does not disturb training
 
     # one bcp checkpoint written by both processes, and nothing written by Accelerate itself
-    assert sorted(os.listdir(ckpt)) == ["bcp_metadata.json", "data"]
+    names = set(os.listdir(ckpt))
+    assert "bcp_metadata.json" in names and all(n == "data" or n.startswith("bcp_") for n in names), names
     md = bcp.inspect(ckpt)
     assert md.world_size == 2 and {p.rank for t in md.tensors.values() for p in t.pieces} == {0, 1}
     assert {"model.net.0.weight", "optimizer.param_groups", "custom.epoch"} <= md.keys()
