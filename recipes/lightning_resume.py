@@ -40,8 +40,14 @@ class TinyRegressor(L.LightningModule):
                                  nn.Linear(hidden, 1))
 
     def configure_model(self):
-        # ModelParallelStrategy gives a device mesh; shard every layer with FSDP2 over it.
+        # ModelParallelStrategy gives a device mesh: tensor parallelism over its "tensor_parallel"
+        # dimension, then FSDP2 over "data_parallel".
         if self.device_mesh is None:
+            return
+        tp = self.device_mesh["tensor_parallel"]
+        if tp.size() > 1:
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+            parallelize_module(self.net, tp, {"0": ColwiseParallel(), "2": RowwiseParallel()})
             return
         from torch.distributed.fsdp import fully_shard
         mesh = self.device_mesh["data_parallel"]
@@ -122,6 +128,8 @@ class CPUFSDPStrategy(FSDPStrategy):
 def build_trainer(args, world: int, callbacks: list) -> L.Trainer:
     if args.strategy == "fsdp2":
         strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    elif args.strategy == "tp":
+        strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=world)
     elif args.strategy == "fsdp":
         strategy = "fsdp" if torch.cuda.is_available() else CPUFSDPStrategy()
     else:
@@ -165,7 +173,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--phase", choices=["demo", "run"], default="demo")
     p.add_argument("--out", default=None, help="working directory (default: a temporary one)")
-    p.add_argument("--strategy", choices=["ddp", "fsdp2", "fsdp"], default="ddp")
+    p.add_argument("--strategy", choices=["ddp", "fsdp2", "tp", "fsdp"], default="ddp")
     p.add_argument("--max-steps", type=int, default=2)
     p.add_argument("--every", type=int, default=2, help="ModelCheckpoint every_n_train_steps")
     p.add_argument("--ckpt-dir", default=None)

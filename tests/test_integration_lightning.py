@@ -3,7 +3,7 @@
 Runs recipes/lightning_resume.py in its `--phase run` mode:
   A  DDP, 2 ranks, 4 steps, bcp checkpoints every 2 steps (also the uninterrupted reference)
   N  DDP, 2 ranks, 2 steps, Lightning's own checkpoints (reference for the 1-process resume)
-  then resumes from A's step-2 checkpoint on DDP 2 ranks, on FSDP2 2 ranks, on FSDP1 2 ranks
+  then resumes from A's step-2 checkpoint on DDP 2 ranks, on FSDP2 2 ranks, on TP 2 ranks, on FSDP1 2 ranks
   (saving again from FSDP1), on 1 process, and from N's on 1 process. The step-2 checkpoint ends an
   epoch (16 samples, 2 x 4 per step), so the data position is the epoch, which Lightning's loop
   state carries.
@@ -108,6 +108,11 @@ def test_lightning_save_resume_across_world_sizes_and_strategies(tmp_path):
     _run(2, "--strategy", "fsdp2", "--out", str(tmp_path / "f2"), "--resume", step2, "--max-steps", "4")
     _assert_same_state(saved, torch.load(tmp_path / "f2" / "state_start.pt", weights_only=False))
     assert _losses(tmp_path / "f2") == {3: uninterrupted[3], 4: uninterrupted[4]}
+
+    # DDP -> ModelParallelStrategy with tensor parallelism over both ranks (a different global batch,
+    # so only the loaded state is compared)
+    _run(2, "--strategy", "tp", "--out", str(tmp_path / "tp"), "--resume", step2, "--max-steps", "3")
+    _assert_same_state(saved, torch.load(tmp_path / "tp" / "state_start.pt", weights_only=False))
 
     # DDP -> FSDPStrategy (FSDP1, flat-parameter shards; on CPU through the recipe's CPUFSDPStrategy):
     # same losses, and the step-4 checkpoint it writes holds exactly the DDP run's step-4 state
