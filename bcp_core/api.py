@@ -13,14 +13,14 @@ from typing import Any
 
 import torch
 
-from . import codec
+from . import codec, metrics
 from .checkpointer import SaveHandle, get_checkpointer
 from .comm import DEFAULT_TIMEOUT, Comm
 from .engine import read_all, read_verified
 from .errors import (BCPError, IncompleteCheckpointError, KeyMismatchError, MetadataError,
                      NotACheckpointError, ShapeMismatchError)
 from .metadata import METADATA_FILE, TRACKER_FILE, CheckpointMetadata, ObjectValue
-from .planner import ReadItem, box_read_items, read_items
+from .planner import ReadItem, box_read_items, gc_paused, read_items
 from .shards import Box
 from .shared_reads import read_all_shared, worth_sharing
 from .state import LoadTarget, load_targets, resolve_framework
@@ -85,6 +85,8 @@ def resolve(path: str | os.PathLike) -> Storage:
     raise NotACheckpointError(f"{st.root} is not a bcp checkpoint (no {METADATA_FILE}, no {TRACKER_FILE})")
 
 
+@metrics.timed("metadata")
+@gc_paused
 def read_metadata(st: Storage) -> CheckpointMetadata:
     return CheckpointMetadata.loads(st.read_bytes(METADATA_FILE), source=st.join(METADATA_FILE))
 
@@ -101,8 +103,10 @@ class LoadResult:
     path: str
     missing: list[str] = field(default_factory=list)     # requested but not in the checkpoint
     unexpected: list[str] = field(default_factory=list)  # in the checkpoint under a requested module/optimizer
+    metrics: list[dict] = field(default_factory=list)     # this rank's phase records (docs/monitoring.md)
 
 
+@metrics.recorded("load", rank=lambda *_, process_group=None, **__: _rank(process_group))
 def load(path: str | os.PathLike, state: dict, framework: str = "auto", strict: bool = True, *,
          process_group=None, allow_pickle: bool = False, verify_checksums: bool = True,
          num_threads: int = 4, share_reads: bool | None = None,
@@ -176,8 +180,9 @@ def load(path: str | os.PathLike, state: dict, framework: str = "auto", strict: 
                 items.extend(read_items(fqn, tm, target.tensor))
     if share_reads or (share_reads is None and worth_sharing(st, process_group)):
         comm = _load_comm(process_group, timeout)
-        read_all_shared(st, md.files, md.checksum_block_bytes, items, verify_checksums, num_threads,
-                        process_group, comm)
+        with metrics.phase("transfer"):  # the whole exchange; its own reads and copies are recorded too
+            read_all_shared(st, md.files, md.checksum_block_bytes, items, verify_checksums, num_threads,
+                            process_group, comm)
     else:
         read_all(st, md.files, md.checksum_block_bytes, items, verify_checksums, num_threads)
     for target, t in late:

@@ -24,13 +24,14 @@ from datetime import timedelta
 
 import torch
 
+from . import metrics
 from .comm import DEFAULT_TIMEOUT, Comm, CommTimeoutError
 from .engine import WriteItem, write_items
 from .errors import BCPError, SaveError
 from .metadata import (CHECKSUM_BLOCK_BYTES, METADATA_FILE, TRACKER_FILE, CheckpointMetadata, ObjectPiece,
                        ObjectValue, PerRankMeta, Piece, ShardedObjectMeta, TensorMeta, dtype_from_name,
                        dtype_name)
-from .planner import GlobalSavePlan, LocalSavePlan, digest, global_save_plan, local_save_plan
+from .planner import GlobalSavePlan, LocalSavePlan, digest, gc_paused, global_save_plan, local_save_plan
 from .state import resolve_framework, save_leaves
 from .storage import Storage, storage_for
 
@@ -43,9 +44,10 @@ PLAN_CACHE_SIZE = 4
 class SaveHandle:
     """Result of `save`. `wait()` returns once the checkpoint is durable and committed."""
 
-    def __init__(self, path: str, future: Future):
+    def __init__(self, path: str, future: Future, recorder: metrics.Recorder | None = None):
         self.path = path
         self._future = future
+        self._recorder = recorder
         self._error_seen = False  # the caller got the error from wait(): the next save need not raise it
 
     def done(self) -> bool:
@@ -59,6 +61,11 @@ class SaveHandle:
             self._error_seen = True
             raise
         return self.path
+
+    @property
+    def metrics(self) -> list[dict]:
+        """This rank's phase records (docs/monitoring.md); complete once the save is done."""
+        return self._recorder.records() if self._recorder is not None else []
 
 
 @dataclass
@@ -84,6 +91,7 @@ class _Job:
     on_commit: Callable[[str], None] | None
     number: int = 0                              # this checkpointer's save count (same on every rank)
     error: str | None = None                     # this rank's local planning error, sent to the coordinator
+    recorder: metrics.Recorder | None = None     # this rank's phase timings
     slot: tuple | None = None                    # staging pool slot held until written
     staged: dict | None = None                   # (ti, bi) -> staged copy (async saves)
     staged_per_rank: list | None = None
@@ -158,9 +166,10 @@ class Checkpointer:
         ckpt = root.child(name) if name else root
         adapter = resolve_framework(state, framework)
         comm = self._comm(process_group, timeout)
-
+        rec = metrics.Recorder("save", comm.rank, ckpt.root)
         try:
-            plan = local_save_plan(save_leaves(state, adapter), comm.rank, allow_pickle)
+            with rec.phase("plan"):
+                plan = local_save_plan(save_leaves(state, adapter), comm.rank, allow_pickle)
             error = None
         except Exception as e:  # noqa: BLE001 - sent to the coordinator so every rank raises
             plan, error = None, f"rank {comm.rank}: {type(e).__name__}: {e}"
@@ -172,21 +181,22 @@ class Checkpointer:
                 _invalidate(ckpt)
         self._saves += 1
         job = _Job(ckpt, root, name, plan, cached, [], adapter.name if framework == "auto" else framework,
-                   user_metadata or {}, num_threads, on_commit, number=self._saves, error=error)
+                   user_metadata or {}, num_threads, on_commit, number=self._saves, error=error,
+                   recorder=rec)
         if not async_save:
             self.wait_all()  # its collectives must not interleave with queued background commits
             future: Future = Future()
             try:
-                future.set_result(self._run(comm, job))
+                future.set_result(rec.run(self._run, comm, job, finish=True))
             except BaseException as e:
                 future.set_exception(e)
                 raise
-            return SaveHandle(ckpt.root, future)
+            return SaveHandle(ckpt.root, future, rec)
         if plan is not None:
-            self._stage(job)
+            rec.run(self._stage, job)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"bcp-save-{self.role}")
-        handle = SaveHandle(ckpt.root, self._worker.submit(self._run, comm, job))
+        handle = SaveHandle(ckpt.root, self._worker.submit(rec.run, self._run, comm, job, finish=True), rec)
         self._pending.append((handle, job))
         return handle
 
@@ -229,7 +239,8 @@ class Checkpointer:
                 reply = {"kind": "plan", "assignments": gplan.assignments, "token": self._token}
             except Exception as e:  # noqa: BLE001 - broadcast so that every rank raises
                 reply = {"kind": "plan", "error": str(e) if isinstance(e, BCPError) else f"{type(e).__name__}: {e}"}
-        reply = comm.broadcast(reply, "plan")
+        # each rank receives only its own assignment; tree leaders pass on only their subtree's part
+        reply = comm.scatter(_per_rank_replies(reply, comm.world_size) if comm.is_coordinator else None, "plan")
         if reply.get("kind") != "plan":
             raise SaveError(f"save to {ckpt.root}: this rank re-planned while others reused a cached plan "
                             "(the state's structure changed on some ranks only)")
@@ -237,13 +248,14 @@ class Checkpointer:
             raise SaveError(f"save to {ckpt.root} planned nothing: {reply['error']}")
         self.stats["plans"] += 1
         self._token = reply["token"]
-        cached = CachedPlan(reply["assignments"][comm.rank], gplan,
+        cached = CachedPlan(reply["assignment"], gplan,
                             [m["key"] for m in msgs] if comm.is_coordinator else [])
         self._plans[plan.key] = cached
         while len(self._plans) > PLAN_CACHE_SIZE:
             self._plans.popitem(last=False)
         return cached
 
+    @metrics.timed("stage", nbytes=lambda _, self, job: sum(b.nbytes for b in job.staged.values()))
     def _stage(self, job: _Job) -> None:
         """Copy what this rank may write into reused host buffers: the only part of an async save that stalls.
 
@@ -315,6 +327,9 @@ class Checkpointer:
             report = {"kind": "report", "error": f"rank {comm.rank}: {type(e).__name__}: {e}"}
         finally:
             self._release(job)
+        # this rank's phases so far travel with its report; intervals only while the job is small
+        report["metrics"] = metrics.records(intervals=comm.world_size <= 256)
+        commit = metrics.start("commit")
         try:
             reports = comm.gather(report, "commit")
         except CommTimeoutError as e:
@@ -328,10 +343,13 @@ class Checkpointer:
                 job.ckpt.write_atomic(METADATA_FILE, md.dumps())
                 if job.tracker_name:
                     job.root.write_atomic(TRACKER_FILE, job.tracker_name.encode())
+                commit.stop()
+                metrics.save_beside(job.ckpt, [metrics.records()] + [r.get("metrics") for r in reports[1:]])
                 status = {"kind": "report", "ok": True}
             except Exception as e:  # noqa: BLE001 - broadcast so that every rank raises
                 status = {"kind": "report", "error": str(e) if isinstance(e, BCPError) else f"{type(e).__name__}: {e}"}
         status = comm.broadcast(status, "commit")
+        commit.stop()
         if status.get("kind") != "report":
             raise SaveError(f"save to {job.ckpt.root}: this rank reused a cached plan while others re-planned "
                             "(the state's structure changed on some ranks only)")
@@ -349,6 +367,7 @@ class Checkpointer:
                 raise SaveError(f"an earlier asynchronous save to {handle.path} failed: {exc}") from exc
 
 
+@metrics.timed("serialise", nbytes=lambda items, *_: sum(it.tensor.nbytes for it in items))
 def _items(plan: LocalSavePlan, assignment: dict, buffers: list[torch.Tensor] | None,
            per_rank: list[tuple[str, torch.Tensor]] | None = None) -> list[WriteItem]:
     """The pieces this rank writes: its assigned boxes (from `buffers` if staged), shards, per-rank tensors."""
@@ -369,6 +388,14 @@ def _items(plan: LocalSavePlan, assignment: dict, buffers: list[torch.Tensor] | 
     for fqn, t in per_rank if per_rank is not None else plan.per_rank_tensors:
         items.append(WriteItem(f"{fqn}#r", _contiguous_cpu(t), ["v", fqn]))
     return items
+
+
+def _per_rank_replies(reply: dict, world_size: int) -> list[dict]:
+    """The plan reply cut per rank: each rank's own assignment (an error goes to every rank)."""
+    if "assignments" not in reply:
+        return [reply] * world_size
+    rest = {k: v for k, v in reply.items() if k != "assignments"}
+    return [{**rest, "assignment": a} for a in reply["assignments"]]
 
 
 def _contiguous_cpu(t: torch.Tensor) -> torch.Tensor:
@@ -409,6 +436,7 @@ def _remove_stale_files(ckpt: Storage, md: CheckpointMetadata, token: str) -> No
             ckpt.remove(f"data/{name}")
 
 
+@gc_paused  # builds an object per saved piece: see planner.gc_paused
 def _commit_metadata(job: _Job, reports: list[dict], world_size: int) -> CheckpointMetadata:
     errors = [r["error"] for r in reports if r.get("error")]
     if errors:

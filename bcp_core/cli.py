@@ -127,6 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-last", type=int, required=True, metavar="K")
     p.add_argument("--keep-every", type=int, metavar="N", help="also keep steps that are multiples of N")
     p.add_argument("--dry-run", action="store_true", help="show what would be deleted")
+
+    p = sub.add_parser("report", help="per-rank phase timings: heat map, timeline, slowest rank",
+                       description="Read a checkpoint's bcp_metrics.jsonl (or a metrics JSON-lines file) and "
+                                   "write OUT.png and OUT.html: a heat map of ranks x phases and the timeline "
+                                   "of one rank (the slowest by default); print a summary naming the slowest "
+                                   "rank and phase. Drawing needs matplotlib (pip install 'bcp[report]').")
+    p.add_argument("path", metavar="PATH", help="checkpoint, root, or .jsonl file")
+    p.add_argument("--out", default="bcp_report", metavar="OUT", help="output prefix (default bcp_report)")
+    p.add_argument("--rank", type=int, help="rank whose timeline to draw (default: the slowest)")
+    p.add_argument("--op", choices=["save", "load"], help="which records (default: save if present)")
+    p.add_argument("--text", action="store_true", help="only print the summary (no matplotlib needed)")
     return parser
 
 
@@ -192,6 +203,13 @@ def run(args: argparse.Namespace) -> int:
         rep = tools.prune_checkpoints(args.root, args.keep_last, args.keep_every, args.dry_run)
         verb = "would remove" if args.dry_run else "removed"
         print(f"{verb}: {', '.join(rep['removed']) or 'nothing'}; kept: {', '.join(rep['kept']) or 'nothing'}")
+        return 0
+    if args.command == "report":
+        from . import report
+        rep = report.build(*report.read_records(args.path), op=args.op)
+        print(report.summary(rep))
+        if not args.text:
+            print("wrote {} and {}".format(*report.write(rep, args.out, args.rank)))
         return 0
     raise AssertionError(args.command)
 

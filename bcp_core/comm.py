@@ -30,7 +30,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from . import metrics
 from .errors import BCPError
+from .planner import gc_paused
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 DEFAULT_FAN_IN = 32
@@ -204,7 +206,8 @@ class Comm:
     def _wait_up(self, base: str, keys: list[str], kids: Sequence[int], phase: str) -> None:
         self.max_wait_keys = max(self.max_wait_keys, len(keys))
         try:
-            self._store.wait(keys, self.timeout)
+            with metrics.phase("wait"):  # time spent on other ranks, kept apart from this rank's own work
+                self._store.wait(keys, self.timeout)
         except Exception as e:  # noqa: BLE001 - the store raises a bare RuntimeError/DistStoreError on timeout
             missing = [m for c in kids for m in self._missing_below(base, c)]
             raise self._timeout(phase, missing or list(kids), e) from None
@@ -227,7 +230,8 @@ class Comm:
             try:
                 # Twice the timeout: the coordinator may itself be waiting up to `timeout` for a
                 # missing rank, and its error naming that rank should reach us, not a second timeout.
-                self._store.wait([key], 2 * self.timeout)
+                with metrics.phase("wait"):
+                    self._store.wait([key], 2 * self.timeout)
             except Exception as e:  # noqa: BLE001 - see _wait_up
                 chain = self.tree.ancestors(self.rank) + [self.rank]
                 # the first rank on the path from the root that did not pass the message on
@@ -321,4 +325,5 @@ def _encode(obj: Any) -> bytes:
 
 
 def _decode(data: bytes) -> Any:
-    return json.loads(data)
+    # a gathered plan of a large job is millions of small objects: see planner.gc_paused
+    return gc_paused(json.loads)(data) if len(data) > 1 << 20 else json.loads(data)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from . import metrics
 from .errors import ChecksumError, StorageError
 from .metadata import num_blocks
 from .planner import ReadItem
@@ -60,6 +61,7 @@ def checksum(data) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+@metrics.timed("checksum", nbytes=lambda _, data, block: len(data))
 def _checksum_blocks(data: memoryview, block: int) -> list[int]:
     return [checksum(data[i:i + block]) for i in range(0, len(data), block)] or [checksum(b"")]
 
@@ -107,7 +109,8 @@ def write_items(storage: Storage, rank: int, items: list[WriteItem], num_files: 
     storage.makedirs("data")
     with ThreadPoolExecutor(len(bins), thread_name_prefix="bcp-checksum") as sum_pool, \
             ThreadPoolExecutor(len(bins), thread_name_prefix="bcp-write") as pool:
-        sums = {id(it): sum_pool.submit(_checksum_blocks, tensor_bytes(it.tensor), block) for it in items}
+        checksum_blocks = metrics.bind(_checksum_blocks)
+        sums = {id(it): sum_pool.submit(checksum_blocks, tensor_bytes(it.tensor), block) for it in items}
 
         def write_file(k: int) -> list[tuple[WriteItem, str, int, int]]:
             rel = f"data/{prefix}r{rank}_{k}.safetensors"
@@ -119,16 +122,18 @@ def write_items(storage: Storage, rank: int, items: list[WriteItem], num_files: 
                 pos = len(header)
                 for it in bins[k]:
                     data = tensor_bytes(it.tensor)
-                    writer.write(data)
+                    with metrics.phase("write", len(data)):
+                        writer.write(data)
                     placed.append((it, rel, pos, len(data)))
                     pos += len(data)
-                writer.close()
+                with metrics.phase("fsync"):  # close: flush, fsync and rename, or finish the upload
+                    writer.close()
             except BaseException as e:
                 writer.abort()
                 raise StorageError(f"rank {rank}: writing {storage.join(rel)} failed: {e}") from e
             return placed
 
-        placed = [p for ps in pool.map(write_file, range(len(bins))) for p in ps]
+        placed = [p for ps in pool.map(metrics.bind(write_file), range(len(bins))) for p in ps]
         return [WrittenPiece(it.key, rel, pos, n, sums[id(it)].result()) for it, rel, pos, n in placed]
 
 
@@ -158,6 +163,7 @@ def verify_blocks(data: memoryview, start: int, nbytes: int, sums: tuple[int, ..
                                 f"{byte_offset + b * block + hi - lo}) of {what}: the data file is corrupted")
 
 
+@metrics.timed("checksum", nbytes=lambda _, data, *a: len(data))
 def _verify(data: memoryview, start: int, item: ReadItem, file: str, block: int) -> None:
     p = item.piece
     verify_blocks(data, start, p.nbytes, p.checksums, block, file, p.byte_offset,
@@ -205,10 +211,11 @@ def copy_from_span(item: ReadItem, buf: torch.Tensor, span_lo: int, files: tuple
     first = sum(r * s for r, s in zip(rel, strides)) * esize
     flat = buf[first - span_lo:].view(item.dest.dtype)
     src = torch.as_strided(flat, item.lengths, strides, flat.storage_offset())
-    with torch.no_grad():
+    with torch.no_grad(), metrics.phase("copy", item.dest.nbytes):
         item.dest.detach().copy_(src)
 
 
+@metrics.timed("read", nbytes=lambda buf, *_: buf.numel())
 def read_span(storage: Storage, files: tuple[str, ...], item: ReadItem, lo: int, hi: int) -> torch.Tensor:
     p = item.piece
     buf = torch.empty(hi - lo, dtype=torch.uint8)
@@ -230,7 +237,8 @@ def read_item(storage: Storage, files: tuple[str, ...], block: int, item: ReadIt
             and (lo, hi) == (0, p.nbytes)):
         out = tensor_bytes(dest)  # zero-copy: read straight into the destination
         try:
-            storage.read_into(files[p.file], p.byte_offset, out)
+            with metrics.phase("read", p.nbytes):
+                storage.read_into(files[p.file], p.byte_offset, out)
         except (OSError, StorageError) as e:
             raise StorageError(f"reading {files[p.file]} bytes [{p.byte_offset}, {p.byte_offset + p.nbytes}) "
                                f"for tensor {item.fqn!r} failed: {e}") from e
@@ -250,5 +258,5 @@ def read_all(storage: Storage, files: tuple[str, ...], block: int, items: Iterab
             read_item(storage, files, block, it, verify)
         return
     with ThreadPoolExecutor(num_threads, thread_name_prefix="bcp-read") as pool:
-        for f in [pool.submit(read_item, storage, files, block, it, verify) for it in items]:
+        for f in [pool.submit(metrics.bind(read_item), storage, files, block, it, verify) for it in items]:
             f.result()

@@ -1,0 +1,311 @@
+"""Planning at the paper's scale, in one process: a 405B transformer on 8,960 ranks.
+
+Builds every rank's save-plan structure for a Llama-3-405B layout under Megatron-style 3D
+parallelism (paper Table 8: TP=8, DP=70, PP=16) without allocating a tensor, then runs the real
+coordinator code on it: decode the gathered messages, `global_save_plan`, cut the reply per rank,
+build and serialise the global metadata (`_commit_metadata`, `CheckpointMetadata.dumps`), and
+plan a load for one rank of another layout (parse the metadata, `box_read_items` on meta
+tensors). Communication is replaced by what it carries: each rank's message is its JSON bytes,
+and the tree's combined gather message is their concatenation.
+
+Model (documented in docs/monitoring.md): 126 layers, hidden 16384, FFN 53248, 128 query / 8 KV
+heads of 128, vocab 128256, untied output layer (~406B parameters). bf16 weights; TP shards
+linear_qkv and linear_fc1 by rows and linear_proj and linear_fc2 by columns, the embedding and
+output layer by vocab rows; layer norms are replicated. PP=16 stages take 8 layers each (the last
+two 7); stage 0 holds the embedding, the last stage the final norm and output layer. Weights
+are replicated over DP=70 (the planner dedups them, worst-fit). The optimizer is Megatron's
+distributed optimizer: per (TP, PP) rank, the fp32 `fp32_param`, `exp_avg` and `exp_avg_sq` of
+the stage's parameters form one flat buffer split evenly over the 70 DP ranks, each slice saved as
+n-D boxes (`--zero param` instead splits every parameter over DP, a heavier plan). Each rank also
+has per-rank RNG state and one dataloader shard.
+
+    python bench/plan_scale.py                    # the paper's layout
+    python bench/plan_scale.py --tp 2 --dp 4 --pp 2 --layers 4   # a quick run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import tempfile
+import random
+import resource
+import time
+from types import SimpleNamespace
+
+import torch
+
+from bcp_core.checkpointer import CachedPlan, _commit_metadata, _per_rank_replies
+from bcp_core.api import read_metadata
+from bcp_core.comm import _decode, build_tree
+from bcp_core.fsdp import range_boxes
+from bcp_core.metadata import CHECKSUM_BLOCK_BYTES, METADATA_FILE, num_blocks
+from bcp_core.planner import box_read_items, digest, global_save_plan
+from bcp_core.shards import Box
+from bcp_core.storage import storage_for
+
+OPT_STATES = ("fp32_param", "exp_avg", "exp_avg_sq")
+
+
+def model_params(layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, vocab: int, pp: int):
+    """Per pipeline stage: [(fqn, global shape, tp_dim)] with tp_dim None for replicated tensors."""
+    head_dim = hidden // heads
+    per_stage = [layers // pp + (1 if s < layers % pp else 0) for s in range(pp)]
+    stages, first = [], 0
+    for s, n in enumerate(per_stage):
+        params = []
+        if s == 0:
+            params.append(("embedding.word_embeddings.weight", (vocab, hidden), 0))
+        for layer in range(first, first + n):
+            p = f"decoder.layers.{layer}."
+            params += [(p + "input_layernorm.weight", (hidden,), None),
+                       (p + "self_attention.linear_qkv.weight", ((heads + 2 * kv_heads) * head_dim, hidden), 0),
+                       (p + "self_attention.linear_proj.weight", (hidden, hidden), 1),
+                       (p + "pre_mlp_layernorm.weight", (hidden,), None),
+                       (p + "mlp.linear_fc1.weight", (2 * ffn, hidden), 0),
+                       (p + "mlp.linear_fc2.weight", (hidden, ffn), 1)]
+        if s == pp - 1:
+            params += [("decoder.final_layernorm.weight", (hidden,), None),
+                       ("output_layer.weight", (vocab, hidden), 0)]
+        stages.append(params)
+        first += n
+    return stages
+
+
+def tp_shard(shape, tp_dim, tp, t):
+    """(offsets, lengths) of TP rank t's shard."""
+    if tp_dim is None:
+        return (0,) * len(shape), tuple(shape)
+    n = shape[tp_dim] // tp
+    offs = [0] * len(shape)
+    lens = list(shape)
+    offs[tp_dim], lens[tp_dim] = t * n, n
+    return tuple(offs), tuple(lens)
+
+
+def flat_slice_boxes(offs, lens, start, stop):
+    """The boxes, in global coordinates, of elements [start, stop) of the local shard (offs, lens)."""
+    return [[[o + so for o, so in zip(o_, offs)], list(l_)] for o_, l_, _ in range_boxes(lens, start, stop)]
+
+
+def rank_structure(stage_params, tp, dp, t, d, zero):
+    tensors = []
+    opt_boxes: dict[str, list] = {}
+    shards = [(fqn, shape) + tp_shard(shape, tp_dim, tp, t) for fqn, shape, tp_dim in stage_params]
+    for fqn, shape, offs, lens in shards:
+        tensors.append([f"model.{fqn}", "bfloat16", list(shape), [[list(offs), list(lens)]]])
+    if zero == "bucket":  # one flat buffer of the stage's local shards, split evenly over DP
+        total = sum(math.prod(s[3]) for s in shards)
+        lo, hi = total * d // dp, total * (d + 1) // dp
+        pos = 0
+        for fqn, shape, offs, lens in shards:
+            n = math.prod(lens)
+            a, b = max(lo, pos), min(hi, pos + n)
+            if a < b:
+                opt_boxes[fqn] = flat_slice_boxes(offs, lens, a - pos, b - pos)
+            pos += n
+    else:  # every parameter's local shard split over DP
+        for fqn, shape, offs, lens in shards:
+            n = math.prod(lens)
+            boxes = flat_slice_boxes(offs, lens, n * d // dp, n * (d + 1) // dp)
+            if boxes:
+                opt_boxes[fqn] = boxes
+    by_fqn = {fqn: shape for fqn, shape, _, _ in shards}
+    for fqn, boxes in opt_boxes.items():
+        for state in OPT_STATES:
+            tensors.append([f"optimizer.state.{fqn}.{state}", "float32", list(by_fqn[fqn]), boxes])
+    return {"tensors": tensors,
+            "objects": ["optimizer.param_groups", "iteration", "args", "checkpoint_version"],
+            "per_rank": [["extra_state.rng", None, None], ["extra_state.cuda_rng", "uint8", [16]]],
+            "sharded_objects": [["dataloader.rank", [dp], [d]]]}
+
+
+def rank_coords(rank, tp, dp):
+    """Megatron's default order: TP fastest, then DP, then PP."""
+    return rank % tp, rank // tp % dp, rank // (tp * dp)
+
+
+def fake_reports(structures, gplan, rng, tp, dp):
+    """What each rank reports after writing its assignment: pieces with file, offset, checksums."""
+    reports = []
+    for r, st in enumerate(structures):
+        pieces, pos = [], 0
+        for ti, bi in gplan.assignments[r]["write"]:
+            fqn, dt, _, boxes = st["tensors"][ti]
+            offs, lens = boxes[bi]
+            nbytes = math.prod(lens) * (2 if dt == "bfloat16" else 4)
+            sums = [rng.getrandbits(64) for _ in range(num_blocks(nbytes, CHECKSUM_BLOCK_BYTES))]
+            pieces.append([["t", fqn, offs, lens], f"data/r{r}_0.safetensors", pos, nbytes, sums])
+            pos += nbytes
+        for i in gplan.assignments[r]["shards"]:
+            fqn, _, index = st["sharded_objects"][i]
+            pieces.append([["o", fqn, index], f"data/r{r}_0.safetensors", pos, 300, [rng.getrandbits(64)]])
+            pos += 300
+        pieces.append([["v", "extra_state.cuda_rng"], f"data/r{r}_0.safetensors", pos, 16, [rng.getrandbits(64)]])
+        reports.append({
+            "kind": "report", "key": digest(json.dumps(st, separators=(",", ":")).encode()),
+            "objects": {"optimizer.param_groups": [{"lr": 1e-4, "params": ["..."]}], "iteration": 1000,
+                        "args": {"tp": 8}, "checkpoint_version": 3.0} if r == 0 else {},
+            "per_rank": {"extra_state.rng": {"seed": r % 70},
+                         "extra_state.cuda_rng": ["uint8", [16], f"{r % 7:032x}"]},
+            "shard_digests": [f"{rank_coords(r, tp, dp)[1]:032x}"], "object_digests": {}, "pieces": pieces})
+    return reports
+
+
+def peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tp", type=int, default=8)
+    ap.add_argument("--dp", type=int, default=70)
+    ap.add_argument("--pp", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=126)
+    ap.add_argument("--hidden", type=int, default=16384)
+    ap.add_argument("--ffn", type=int, default=53248)
+    ap.add_argument("--heads", type=int, default=128)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--zero", choices=["bucket", "param"], default="bucket")
+    ap.add_argument("--fan-in", type=int, default=32)
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--load-tp", type=int, default=4, help="layout of the loading job (TP)")
+    ap.add_argument("--load-pp", type=int, default=8, help="layout of the loading job (PP)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    world = a.tp * a.dp * a.pp
+    out: dict = {"world_size": world, "tp": a.tp, "dp": a.dp, "pp": a.pp, "zero": a.zero}
+    stages = model_params(a.layers, a.hidden, a.ffn, a.heads, a.kv_heads, a.vocab, a.pp)
+    out["parameters"] = sum(math.prod(s) for st in stages for _, s, _ in st)
+    rng = random.Random(0)
+
+    # 1. Every rank's planning message, as the bytes it sends (built here one rank after another;
+    #    in a job each rank builds its own, in parallel).
+    t0 = time.perf_counter()
+    messages = []
+    for r in range(world):
+        t, d, p = rank_coords(r, a.tp, a.dp)
+        st = rank_structure(stages[p], a.tp, a.dp, t, d, a.zero)
+        key = digest(json.dumps(st, separators=(",", ":")).encode())
+        messages.append(json.dumps({"kind": "plan", "key": key, "structure": st}, separators=(",", ":")).encode())
+    out["build_messages_s"] = time.perf_counter() - t0
+    out["gathered_mib"] = sum(map(len, messages)) / 2**20
+    out["boxes"] = sum(len(b[3]) for m in messages[:1] for b in json.loads(m)["structure"]["tensors"])
+
+    # The cached-plan path: a rank whose structure is unchanged hashes it, finds the plan, and
+    # sends nothing (the cost of one rank: its structure's encoding and digest, then a lookup).
+    t, d, p = rank_coords(0, a.tp, a.dp)
+    st0 = rank_structure(stages[p], a.tp, a.dp, t, d, a.zero)
+    cache = {digest(json.dumps(st0, separators=(",", ":")).encode()): "plan"}
+    t0 = time.perf_counter()
+    reps = 20
+    for _ in range(reps):
+        assert digest(json.dumps(st0, separators=(",", ":")).encode()) in cache
+    out["cached_plan_ms"] = (time.perf_counter() - t0) / reps * 1e3
+
+    # 2. The coordinator: the tree's combined message (concatenated at the leaders), decoded once.
+    tree = build_tree([r // a.gpus_per_node for r in range(world)], a.fan_in)
+    out["tree_depth"] = tree.depth
+    out["tree_max_children_per_level"] = max(len(lv) for levels in tree.children for lv in levels)
+    out["flat_coordinator_messages"] = world - 1
+    out["tree_coordinator_messages"] = sum(len(lv) for lv in tree.children[0])
+    combined = b"[" + b",".join(messages) + b"]"
+    del messages
+    gc.collect()
+    t_plan = time.perf_counter()
+    msgs = _decode(combined)  # what Comm.gather does with the combined message
+    del combined
+    t1 = time.perf_counter()
+    structures = [m["structure"] for m in msgs]
+    gplan = global_save_plan(structures)
+    t2 = time.perf_counter()
+    replies = [json.dumps(x, separators=(",", ":")).encode() for x in _per_rank_replies(
+        {"kind": "plan", "assignments": gplan.assignments, "token": "0" * 8}, world)]
+    t3 = time.perf_counter()
+    out["decode_s"], out["global_plan_s"], out["scatter_encode_s"] = t1 - t_plan, t2 - t1, t3 - t2
+    out["planning_s"] = t3 - t_plan
+    out["peak_mib_after_plan"] = peak_mib()
+    out["reply_bytes_max"] = max(map(len, replies))
+    out["reply_bytes_total"] = sum(map(len, replies))
+    # the old flat broadcast sent every rank all assignments
+    out["broadcast_bytes_total_flat"] = len(json.dumps(gplan.assignments, separators=(",", ":"))) * world
+    loads = gplan.bytes_per_rank
+    out["write_bytes_max_gib"] = max(loads) / 2**30
+    out["write_bytes_mean_gib"] = sum(loads) / len(loads) / 2**30
+    del replies
+
+    # 3. Commit: every rank's report (pieces with checksums) -> global metadata, serialised.
+    reports = fake_reports(structures, gplan, rng, a.tp, a.dp)
+    job = SimpleNamespace(cached=CachedPlan({}, gplan, [rep["key"] for rep in reports]),
+                          framework="megatron", user_metadata={})
+    del msgs, structures
+    gc.collect()
+    t0 = time.perf_counter()
+    md = _commit_metadata(job, reports, world)
+    t1 = time.perf_counter()
+    raw = md.dumps()
+    out["metadata_build_s"], out["metadata_dumps_s"] = t1 - t0, time.perf_counter() - t1
+    out["metadata_mib"] = len(raw) / 2**20
+    out["pieces"] = sum(len(tm.pieces) for tm in md.tensors.values())
+    out["checkpoint_tib"] = sum(tm.nbytes for tm in md.tensors.values()) / 2**40
+    out["peak_mib_after_metadata"] = peak_mib()
+    del reports, job, md, gplan
+    gc.collect()
+
+    # 4. Load planning for rank 0 of another layout (load_tp x load_pp, same DP product): parse the
+    #    metadata, then intersect each target box with the saved pieces (meta tensors: no memory).
+    with tempfile.TemporaryDirectory() as tmp:
+        st = storage_for(tmp)
+        st.write_atomic(METADATA_FILE, raw)
+        t0 = time.perf_counter()
+        md = read_metadata(st)  # what load does: read and validate
+        t1 = time.perf_counter()
+    lstages = model_params(a.layers, a.hidden, a.ffn, a.heads, a.kv_heads, a.vocab, a.load_pp)
+    load_dp = world // (a.load_tp * a.load_pp)
+    target = rank_structure(lstages[0], a.load_tp, load_dp, 0, 0, a.zero)
+    items = 0
+    for fqn, dt, shape, boxes in target["tensors"]:
+        tm = md.tensors[fqn]
+        for offs, lens in boxes:
+            view = torch.empty(lens, dtype=tm.dtype, device="meta")
+            items += len(box_read_items(fqn, tm, Box(tuple(offs), tuple(lens), view)))
+    t2 = time.perf_counter()
+    out["load_layout"] = f"TP={a.load_tp} PP={a.load_pp} DP={load_dp}"
+    out["load_metadata_parse_s"], out["load_plan_s"], out["load_read_items"] = t1 - t0, t2 - t1, items
+    out["peak_mib"] = peak_mib()
+    return out
+
+
+def _print(out: dict) -> None:
+    print(f"{out['world_size']} ranks (TP={out['tp']} DP={out['dp']} PP={out['pp']}), "
+          f"{out['parameters'] / 1e9:.1f}B parameters, optimizer layout '{out['zero']}'")
+    print(f"  gathered plan messages  {out['gathered_mib']:.1f} MiB ({out['boxes']} boxes on rank 0)")
+    print(f"  tree                    depth {out['tree_depth']}, <= {out['tree_max_children_per_level']} children "
+          f"per level; coordinator reads {out['tree_coordinator_messages']} messages (flat: "
+          f"{out['flat_coordinator_messages']})")
+    print(f"  coordinator planning    {out['planning_s']:.2f} s  (decode {out['decode_s']:.2f}, global plan "
+          f"{out['global_plan_s']:.2f}, per-rank replies {out['scatter_encode_s']:.2f})")
+    print(f"  plan replies            {out['reply_bytes_total'] / 2**20:.1f} MiB in all, largest "
+          f"{out['reply_bytes_max'] / 1024:.1f} KiB (a flat broadcast of all assignments: "
+          f"{out['broadcast_bytes_total_flat'] / 2**30:.1f} GiB)")
+    print(f"  write balance           max {out['write_bytes_max_gib']:.2f} GiB / mean "
+          f"{out['write_bytes_mean_gib']:.2f} GiB per rank")
+    print(f"  metadata                build {out['metadata_build_s']:.2f} s, serialise {out['metadata_dumps_s']:.2f} s, {out['metadata_mib']:.1f} MiB "
+          f"JSON, {out['pieces']} pieces, checkpoint {out['checkpoint_tib']:.2f} TiB")
+    print(f"  cached plan (per save)  {out['cached_plan_ms']:.2f} ms on each rank, no messages")
+    print(f"  load plan ({out['load_layout']}, rank 0)  parse metadata {out['load_metadata_parse_s']:.2f} s, "
+          f"plan {out['load_plan_s']:.3f} s, {out['load_read_items']} read items")
+    print(f"  peak memory             {out['peak_mib']:.0f} MiB (after planning {out['peak_mib_after_plan']:.0f}, "
+          f"after metadata {out['peak_mib_after_metadata']:.0f})")
+
+
+if __name__ == "__main__":
+    import sys
+    result = main()
+    if "--json" in sys.argv:
+        print(json.dumps(result, indent=1))
+    else:
+        _print(result)
