@@ -166,6 +166,7 @@ class Checkpointer:
         ckpt = root.child(name) if name else root
         adapter = resolve_framework(state, framework)
         comm = self._comm(process_group, timeout)
+        ckpt.makedirs()  # exists when save returns, even if async (callers write files beside it)
         rec = metrics.Recorder("save", comm.rank, ckpt.root)
         try:
             with rec.phase("plan"):

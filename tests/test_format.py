@@ -77,3 +77,16 @@ def test_inspect_reads_no_tensor_bytes(tmp_path, monkeypatch):
     monkeypatch.setattr(storage.LocalStorage, "read_into", lambda *a, **k: pytest.fail("tensor bytes read"))
     md = bcp.inspect(str(tmp_path))
     assert md.tensors["w"].shape == (1000,) and md.tensors["w"].nbytes == 4000
+
+
+def test_rng_state_helper_round_trips_through_a_checkpoint(tmp_path):
+    import random
+
+    from bcp_core.rng import rng_state, set_rng_state
+    bcp.save(str(tmp_path), {"extra_state": {"rng": rng_state()}}).wait()
+    first = (torch.rand(3), random.random(), np.random.rand())
+    out: dict = {"extra_state": {}}
+    bcp.load(str(tmp_path), out)
+    set_rng_state(out["extra_state"]["rng"])
+    again = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(first[0], again[0]) and first[1:] == again[1:]

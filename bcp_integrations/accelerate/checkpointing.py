@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import functools
-import random
 import threading
 from typing import Any
 
 import accelerate.accelerator as _acc_module
-import torch
 from accelerate import Accelerator
 
 import bcp_core as bcp
+from bcp_core.rng import rng_state, set_rng_state
 
 # What Accelerate itself would write or read in save_state/load_state. While a registered
 # accelerator's save_state/load_state runs, these look empty to Accelerate's own code, so that it
@@ -91,7 +90,7 @@ class BCPAccelerateCheckpointer:
     def _save_hook(self, models, weights, output_dir) -> None:
         self.wait()
         state = self._state()
-        state["extra_state"] = {"rng": _rng_state(), "step": self.accelerator.step,
+        state["extra_state"] = {"rng": rng_state(), "step": self.accelerator.step,
                                 "data_position": [_loader_position(dl) for dl in self._real["_dataloaders"]]}
         self.last_save = bcp.save(output_dir, state, async_save=self.async_save, num_threads=self.num_threads)
         weights.clear()  # Accelerate's own model files
@@ -101,7 +100,7 @@ class BCPAccelerateCheckpointer:
         state["extra_state"] = {}
         bcp.load(input_dir, state, num_threads=self.num_threads)
         extra = state["extra_state"]
-        _set_rng_state(extra["rng"])
+        set_rng_state(extra["rng"])
         self._loaded_step = extra["step"]
         for dl, pos in zip(self._real["_dataloaders"], extra["data_position"]):
             _set_loader_position(dl, pos)
@@ -193,28 +192,6 @@ def _seedable_sampler(dl):
     return sampler if isinstance(sampler, SeedableRandomSampler) else None
 
 
-def _rng_state() -> dict[str, Any]:
-    import numpy as np
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
-                             "numpy": {"kind": kind, "keys": keys, "pos": int(pos), "has_gauss": int(has_gauss),
-                                       "gauss": float(gauss)}}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np
-    torch.set_rng_state(state["torch"])
-    random.setstate(_tuples(state["python"]))
-    n = state["numpy"]
-    np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
-
-def _tuples(v: Any) -> Any:
-    if isinstance(v, (list, tuple)):
-        return tuple(_tuples(x) for x in v)
-    return v

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import random
 import re
 from typing import Any
 
@@ -14,6 +13,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 
 import bcp_core as bcp
+from bcp_core.rng import rng_state, set_rng_state
 
 TRAINER_STATE_NAME = "trainer_state.json"  # HF reads this file itself in train() before any hook
 _CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
@@ -73,7 +73,7 @@ class BCPCallback(TrainerCallback):
         """Write checkpoint `output_dir` from every rank (collective)."""
         self.wait()  # one save in flight; applies the previous save's rotation once it is committed
         bstate: dict[str, Any] = {"model": model, "optimizer": _unwrap(optimizer),
-                                  "extra_state": {"rng": _rng_state()}}
+                                  "extra_state": {"rng": rng_state()}}
         if lr_scheduler is not None:
             bstate["scheduler"] = _unwrap(lr_scheduler, "scheduler")
         if scaler is not None:
@@ -188,7 +188,7 @@ class BCPTrainerMixin:
         state: dict[str, Any] = {"extra_state": {}}
         bcp.load(checkpoint, state, strict=False)
         if "rng" in state["extra_state"]:
-            _set_rng_state(state["extra_state"]["rng"])
+            set_rng_state(state["extra_state"]["rng"])
 
     def _load_best_model(self) -> None:
         self.bcp.wait()
@@ -252,29 +252,6 @@ def _is_main_process() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
-def _rng_state() -> dict[str, Any]:
-    import numpy as np
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
-                             "numpy": {"kind": kind, "keys": keys, "pos": int(pos), "has_gauss": int(has_gauss),
-                                       "gauss": float(gauss)}}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np
-    torch.set_rng_state(state["torch"])
-    random.setstate(_tuples(state["python"]))
-    n = state["numpy"]
-    np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def _tuples(v: Any) -> Any:
-    if isinstance(v, (list, tuple)):
-        return tuple(_tuples(x) for x in v)
-    return v
 

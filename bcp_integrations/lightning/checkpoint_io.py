@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import random
 from abc import ABC
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import CheckpointIO
@@ -17,6 +15,7 @@ from lightning.pytorch.strategies import (DDPStrategy, FSDPStrategy, ModelParall
                                           SingleDeviceStrategy, Strategy)
 
 import bcp_core as bcp
+from bcp_core.rng import rng_state, set_rng_state
 from bcp_core import codec
 
 # Keys of Lightning's checkpoint dict that bcp replaces with the live model and optimizers.
@@ -97,7 +96,7 @@ class BCPCheckpointIO(CheckpointIO):
         # One opaque value: Lightning's keys (callback names) contain dots, which bcp uses as separators.
         state["lightning"] = json.dumps(encoded)
         if self.save_rng:
-            state["extra_state"] = {"rng": _rng_state()}
+            state["extra_state"] = {"rng": rng_state()}
         handle = bcp.save(path, state, async_save=self.async_save, allow_pickle=self.allow_pickle,
                           num_threads=self.num_threads)
         if self.async_save:
@@ -121,7 +120,7 @@ class BCPCheckpointIO(CheckpointIO):
         if has_optimizers:
             checkpoint["optimizer_states"] = []
         if self.save_rng and "extra_state" in state:
-            _set_rng_state(state["extra_state"]["rng"])
+            set_rng_state(state["extra_state"]["rng"])
         return checkpoint
 
 
@@ -239,34 +238,6 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    try:
-        import numpy as np
-        kind, keys, pos, has_gauss, gauss = np.random.get_state()
-        state["numpy"] = {"kind": kind, "keys": keys, "pos": int(pos), "has_gauss": int(has_gauss),
-                          "gauss": float(gauss)}
-    except ImportError:
-        pass
-    return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(_tuples(state["python"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-        n = state["numpy"]
-        np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
-                             n["gauss"]))
 
-
-def _tuples(v: Any) -> Any:
-    """random.setstate wants the nested tuples it gave, whatever container came back."""
-    if isinstance(v, (list, tuple)):
-        return tuple(_tuples(x) for x in v)
-    return v
