@@ -222,8 +222,9 @@ class Comm:
 
     # -- down the tree -----------------------------------------------------------------------------
 
-    def _down(self, base: str, message: bytes | None, phase: str) -> bytes:
-        """The coordinator's `message` (tagged _ALL or _EACH) arrives at every rank; returns this rank's copy."""
+    def _down(self, base: str, message: bytes | None, phase: str, items: list | None = None) -> bytes:
+        """The coordinator's `message` (tagged _ALL, or _EACH with the coordinator's per-rank `items`)
+        arrives at every rank; returns this rank's copy."""
         if not self.is_coordinator:
             key = f"{base}/d/{self.rank}"
             self.max_wait_keys = max(self.max_wait_keys, 1)
@@ -242,11 +243,11 @@ class Comm:
         else:
             self._stale.extend(f"{base}/d/{r}" for r in range(1, self.world_size))
         kids = [c for level in self.tree.children[self.rank] for c in level]
-        if kids and message[:1] == _EACH:
-            items = json.loads(message[1:])
-            for c in kids:
-                sub = items[c - self.rank:c - self.rank + self.tree.span[c]]
-                self._store.set(f"{base}/d/{c}", _EACH + _encode(sub))
+        if message[:1] == _EACH:
+            if items is None:
+                items = _decode(message[1:])
+            for c, sub in subtree_messages(self.tree, self.rank, items).items():
+                self._store.set(f"{base}/d/{c}", sub)
             return _EACH + _encode(items[:1])
         for c in kids:
             self._store.set(f"{base}/d/{c}", message)
@@ -288,7 +289,8 @@ class Comm:
         if not self.distributed:
             self.collectives += 1
             return objs[0]
-        return _unpack(self._down(self._next(), _EACH + _encode(objs) if self.is_coordinator else None, phase))
+        # the coordinator encodes only each child's part, never the whole list
+        return _unpack(self._down(self._next(), _EACH if self.is_coordinator else None, phase, objs))
 
     def all_gather(self, obj: Any, phase: str = "all_gather") -> list[Any]:
         if not self.distributed:
@@ -305,6 +307,13 @@ class Comm:
         base = self._next()
         done = self._up(base, b"0", phase)
         self._down(base, _ALL + b"0" if done is not None else None, phase)
+
+
+def subtree_messages(tree: Tree, rank: int, items: list) -> dict[int, bytes]:
+    """What `rank` sends each child in a scatter: the items of the child's subtree (`items` are
+    those of `rank`'s own subtree, in rank order)."""
+    return {c: _EACH + _encode(items[c - rank:c - rank + tree.span[c]])
+            for level in tree.children[rank] for c in level}
 
 
 def _unpack(message: bytes) -> Any:

@@ -152,8 +152,9 @@ def global_save_plan(structures: list[dict]) -> GlobalSavePlan:
     load = [0] * world
     assignments: list[dict] = [{"write": [], "shards": []} for _ in range(world)]
     replicated = []
+    esize = {dt: element_size(dtype_from_name(dt)) for dt in {v[0] for v in tensor_info.values()}}
     for key, hs in holders.items():
-        nbytes = math.prod(key[2]) * element_size(dtype_from_name(tensor_info[key[0]][0]))
+        nbytes = math.prod(key[2]) * esize[tensor_info[key[0]][0]]
         if len(hs) == 1:
             r, ti, bi = hs[0]
             load[r] += nbytes

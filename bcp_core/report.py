@@ -125,25 +125,38 @@ def figure(rep: Report, rank: int | None = None):
         rank = max(rep.ranks, key=rep.rank_time)
     if rank not in rep.ranks:
         raise BCPError(f"rank {rank} has no records (ranks: {rep.ranks[0]}..{rep.ranks[-1]})")
-    grid = [[rep.busy.get((r, p), 0.0) for p in rep.phases] for r in rep.ranks]
+    import numpy as np
+    grid = np.array([[rep.busy.get((r, p), 0.0) for p in rep.phases] for r in rep.ranks])
     n = len(rep.ranks)
     fig, (ax_heat, ax_time) = plt.subplots(
         1, 2, figsize=(13, max(3.5, min(12, 1.6 + 0.35 * n))), gridspec_kw={"width_ratios": [1, 1.4]})
-    im = ax_heat.imshow(grid, aspect="auto", cmap="YlOrRd", interpolation="nearest")
+    # Waiting phases get their own grey scale: the ranks that wait longest are the fast ones, and
+    # on the working scale they would drown the straggler.
+    waiting = np.array([p in WAITING for p in rep.phases])
+    work = np.ma.masked_array(grid, mask=np.broadcast_to(waiting, grid.shape))
+    wait = np.ma.masked_array(grid, mask=np.broadcast_to(~waiting, grid.shape))
+    im = ax_heat.imshow(work, aspect="auto", cmap="YlOrRd", interpolation="nearest")
+    if waiting.any():
+        ax_heat.imshow(wait, aspect="auto", cmap="Greys", interpolation="nearest", alpha=0.45)
     ax_heat.set_xticks(range(len(rep.phases)), rep.phases, rotation=35, ha="right")
+    for label, w in zip(ax_heat.get_xticklabels(), waiting):
+        if w:
+            label.set_color("grey")
+            label.set_fontstyle("italic")
     step = max(1, n // 32)
     ax_heat.set_yticks(range(0, n, step), [str(r) for r in rep.ranks[::step]])
     ax_heat.set_ylabel("rank")
-    ax_heat.set_title(f"{rep.op}: busy seconds per rank and phase")
+    ax_heat.set_title(f"{rep.op}: busy seconds per rank and phase\n(grey: waiting for other ranks)", fontsize=10)
     if n <= 16 and len(rep.phases) <= 10:
-        top = max(max(row) for row in grid) or 1.0
+        top = float(work.max()) if work.count() else 1.0
         for i, row in enumerate(grid):
             for j, v in enumerate(row):
+                dark = not waiting[j] and v > 0.6 * top
                 ax_heat.text(j, i, f"{v:.2f}" if v >= 0.01 else f"{v * 1e3:.1f}m", ha="center", va="center",
-                             fontsize=7, color="white" if v > 0.6 * top else "black")
+                             fontsize=7, color="white" if dark else "black")
     ax_heat.add_patch(plt.Rectangle((-0.5, rep.ranks.index(rank) - 0.5), len(rep.phases), 1, fill=False,
                                     edgecolor="tab:blue", linewidth=2))
-    fig.colorbar(im, ax=ax_heat, label="seconds")
+    fig.colorbar(im, ax=ax_heat, label="seconds (working phases)")
 
     t0 = min(r["start"] for r in rep.records)
     mine = {p: [] for p in rep.phases}

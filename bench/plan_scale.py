@@ -39,7 +39,7 @@ import torch
 
 from bcp_core.checkpointer import CachedPlan, _commit_metadata, _per_rank_replies
 from bcp_core.api import read_metadata
-from bcp_core.comm import _decode, build_tree
+from bcp_core.comm import _decode, build_tree, subtree_messages
 from bcp_core.fsdp import range_boxes
 from bcp_core.metadata import CHECKSUM_BLOCK_BYTES, METADATA_FILE, num_blocks
 from bcp_core.planner import box_read_items, digest, global_save_plan
@@ -208,6 +208,9 @@ def main(argv=None) -> dict:
 
     # 2. The coordinator: the tree's combined message (concatenated at the leaders), decoded once.
     tree = build_tree([r // a.gpus_per_node for r in range(world)], a.fan_in)
+    depth = {0: 0}
+    for r in range(1, world):  # parents have lower ranks
+        depth[r] = depth[tree.parent[r]] + 1
     out["tree_depth"] = tree.depth
     out["tree_max_children_per_level"] = max(len(lv) for levels in tree.children for lv in levels)
     out["flat_coordinator_messages"] = world - 1
@@ -222,20 +225,24 @@ def main(argv=None) -> dict:
     structures = [m["structure"] for m in msgs]
     gplan = global_save_plan(structures)
     t2 = time.perf_counter()
-    replies = [json.dumps(x, separators=(",", ":")).encode() for x in _per_rank_replies(
-        {"kind": "plan", "assignments": gplan.assignments, "token": "0" * 8}, world)]
+    # the coordinator's part of the scatter: one message per child, holding its subtree's replies
+    replies = _per_rank_replies({"kind": "plan", "assignments": gplan.assignments, "token": "0" * 8}, world)
+    to_children = subtree_messages(tree, 0, replies)
     t3 = time.perf_counter()
     out["decode_s"], out["global_plan_s"], out["scatter_encode_s"] = t1 - t_plan, t2 - t1, t3 - t2
     out["planning_s"] = t3 - t_plan
     out["peak_mib_after_plan"] = peak_mib()
-    out["reply_bytes_max"] = max(map(len, replies))
-    out["reply_bytes_total"] = sum(map(len, replies))
+    # a rank's reply travels once per tree level above it
+    sizes = [len(json.dumps(x, separators=(",", ":"))) for x in replies]
+    out["reply_bytes_max"] = max(sizes)
+    out["reply_bytes_total"] = sum(n * depth[r] for r, n in enumerate(sizes))
+    out["coordinator_sends_mib"] = sum(map(len, to_children.values())) / 2**20
     # the old flat broadcast sent every rank all assignments
     out["broadcast_bytes_total_flat"] = len(json.dumps(gplan.assignments, separators=(",", ":"))) * world
     loads = gplan.bytes_per_rank
     out["write_bytes_max_gib"] = max(loads) / 2**30
     out["write_bytes_mean_gib"] = sum(loads) / len(loads) / 2**30
-    del replies
+    del replies, to_children
 
     # 3. Commit: every rank's report (pieces with checksums) -> global metadata, serialised.
     reports = fake_reports(structures, gplan, rng, a.tp, a.dp)
@@ -288,9 +295,9 @@ def _print(out: dict) -> None:
           f"{out['flat_coordinator_messages']})")
     print(f"  coordinator planning    {out['planning_s']:.2f} s  (decode {out['decode_s']:.2f}, global plan "
           f"{out['global_plan_s']:.2f}, per-rank replies {out['scatter_encode_s']:.2f})")
-    print(f"  plan replies            {out['reply_bytes_total'] / 2**20:.1f} MiB in all, largest "
-          f"{out['reply_bytes_max'] / 1024:.1f} KiB (a flat broadcast of all assignments: "
-          f"{out['broadcast_bytes_total_flat'] / 2**30:.1f} GiB)")
+    print(f"  plan replies (scatter)  {out['reply_bytes_total'] / 2**20:.1f} MiB over all tree edges, largest "
+          f"{out['reply_bytes_max'] / 1024:.1f} KiB, coordinator sends {out['coordinator_sends_mib']:.1f} MiB "
+          f"(a broadcast of all assignments: {out['broadcast_bytes_total_flat'] / 2**30:.1f} GiB)")
     print(f"  write balance           max {out['write_bytes_max_gib']:.2f} GiB / mean "
           f"{out['write_bytes_mean_gib']:.2f} GiB per rank")
     print(f"  metadata                build {out['metadata_build_s']:.2f} s, serialise {out['metadata_dumps_s']:.2f} s, {out['metadata_mib']:.1f} MiB "
