@@ -173,7 +173,7 @@ def figure(rep: Report, rank: int | None = None):
                          + (f", {_human(nb)}" if nb else ""), va="center", fontsize=7)
     ax_time.set_yticks(range(len(rep.phases)), rep.phases)
     ax_time.invert_yaxis()
-    ax_time.set_xlabel(f"seconds since the first rank started")
+    ax_time.set_xlabel("seconds since the first rank started")
     ax_time.set_title(f"timeline of rank {rank}")
     ax_time.grid(axis="x", alpha=0.3)
     fig.tight_layout()
@@ -193,8 +193,10 @@ def write(rep: Report, out_prefix: str, rank: int | None = None) -> tuple[str, s
     with open(png_path, "wb") as f:
         f.write(png)
     rows = "".join(
-        "<tr><td>{}</td>{}</tr>".format(r, "".join(f"<td>{rep.busy.get((r, p), 0.0):.4f}</td>" for p in rep.phases))
+        "<tr><td>{}</td>{}</tr>".format(r, "".join(f"<td>{rep.busy.get((r, p), 0.0):.4f}</td>"
+                                                  for p in rep.phases))
         for r in rep.ranks)
+    img = base64.b64encode(png).decode()
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>bcp report: {html.escape(rep.source)}</title>
 <style>body{{font-family:sans-serif;margin:2em}} pre{{background:#f4f4f4;padding:1em}}
@@ -202,7 +204,7 @@ table{{border-collapse:collapse;font-size:12px}} td,th{{border:1px solid #ccc;pa
 </head><body>
 <h1>bcp {html.escape(rep.op)} report</h1>
 <pre>{html.escape(summary(rep))}</pre>
-<img alt="heat map of ranks by phases and timeline of one rank" src="data:image/png;base64,{base64.b64encode(png).decode()}">
+<img alt="heat map of ranks by phases and timeline of one rank" src="data:image/png;base64,{img}">
 <h2>Busy seconds per rank and phase</h2>
 <table><tr><th>rank</th>{"".join(f"<th>{html.escape(p)}</th>" for p in rep.phases)}</tr>{rows}</table>
 </body></html>

@@ -100,14 +100,14 @@ def rank_structure(stage_params, tp, dp, t, d, zero):
         total = sum(math.prod(s[3]) for s in shards)
         lo, hi = total * d // dp, total * (d + 1) // dp
         pos = 0
-        for fqn, shape, offs, lens in shards:
+        for fqn, _, offs, lens in shards:
             n = math.prod(lens)
             a, b = max(lo, pos), min(hi, pos + n)
             if a < b:
                 opt_boxes[fqn] = flat_slice_boxes(offs, lens, a - pos, b - pos)
             pos += n
     else:  # every parameter's local shard split over DP
-        for fqn, shape, offs, lens in shards:
+        for fqn, _, offs, lens in shards:
             n = math.prod(lens)
             boxes = flat_slice_boxes(offs, lens, n * d // dp, n * (d + 1) // dp)
             if boxes:
@@ -274,7 +274,7 @@ def main(argv=None) -> dict:
     load_dp = world // (a.load_tp * a.load_pp)
     target = rank_structure(lstages[0], a.load_tp, load_dp, 0, 0, a.zero)
     items = 0
-    for fqn, dt, shape, boxes in target["tensors"]:
+    for fqn, _, _, boxes in target["tensors"]:
         tm = md.tensors[fqn]
         for offs, lens in boxes:
             view = torch.empty(lens, dtype=tm.dtype, device="meta")
@@ -300,7 +300,8 @@ def _print(out: dict) -> None:
           f"(a broadcast of all assignments: {out['broadcast_bytes_total_flat'] / 2**30:.1f} GiB)")
     print(f"  write balance           max {out['write_bytes_max_gib']:.2f} GiB / mean "
           f"{out['write_bytes_mean_gib']:.2f} GiB per rank")
-    print(f"  metadata                build {out['metadata_build_s']:.2f} s, serialise {out['metadata_dumps_s']:.2f} s, {out['metadata_mib']:.1f} MiB "
+    print(f"  metadata                build {out['metadata_build_s']:.2f} s, serialise "
+          f"{out['metadata_dumps_s']:.2f} s, {out['metadata_mib']:.1f} MiB "
           f"JSON, {out['pieces']} pieces, checkpoint {out['checkpoint_tib']:.2f} TiB")
     print(f"  cached plan (per save)  {out['cached_plan_ms']:.2f} ms on each rank, no messages")
     print(f"  load plan ({out['load_layout']}, rank 0)  parse metadata {out['load_metadata_parse_s']:.2f} s, "
