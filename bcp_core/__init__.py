@@ -7,6 +7,7 @@
     bcp.inspect(path)                         # metadata only
 """
 
+from . import rng
 from .api import LoadResult, SaveHandle, inspect, load, resolve, save
 from .errors import (BCPError, ChecksumError, FormatVersionError, IncompleteCheckpointError,
                      KeyMismatchError, MetadataError, NotACheckpointError, PickleNotAllowedError, PlanError,
@@ -17,7 +18,7 @@ from .storage import LocalStorage, Storage, register_storage, storage_for
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "load", "inspect", "resolve", "SaveHandle", "LoadResult", "CheckpointMetadata", "TensorMeta",
+    "save", "load", "inspect", "resolve", "rng", "SaveHandle", "LoadResult", "CheckpointMetadata", "TensorMeta",
     "Piece", "FORMAT_VERSION", "Storage", "LocalStorage", "register_storage", "storage_for",
     "BCPError", "ChecksumError", "FormatVersionError", "IncompleteCheckpointError", "KeyMismatchError",
     "MetadataError", "NotACheckpointError", "PickleNotAllowedError", "PlanError", "SaveError",
