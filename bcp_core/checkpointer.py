@@ -341,7 +341,7 @@ class Checkpointer:
             try:
                 md = _commit_metadata(job, reports, comm.world_size)
                 _remove_stale_files(job.ckpt, md, self._token)
-                job.ckpt.write_atomic(METADATA_FILE, md.dumps())
+                job.ckpt.write_atomic(METADATA_FILE, gc_paused(md.dumps)())
                 if job.tracker_name:
                     job.root.write_atomic(TRACKER_FILE, job.tracker_name.encode())
                 commit.stop()

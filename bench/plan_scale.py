@@ -42,7 +42,7 @@ from bcp_core.api import read_metadata
 from bcp_core.comm import _decode, build_tree, subtree_messages
 from bcp_core.fsdp import range_boxes
 from bcp_core.metadata import CHECKSUM_BLOCK_BYTES, METADATA_FILE, num_blocks
-from bcp_core.planner import box_read_items, digest, global_save_plan
+from bcp_core.planner import box_read_items, digest, gc_paused, global_save_plan
 from bcp_core.shards import Box
 from bcp_core.storage import storage_for
 
@@ -253,7 +253,7 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     md = _commit_metadata(job, reports, world)
     t1 = time.perf_counter()
-    raw = md.dumps()
+    raw = gc_paused(md.dumps)()  # as the commit does
     out["metadata_build_s"], out["metadata_dumps_s"] = t1 - t0, time.perf_counter() - t1
     out["metadata_mib"] = len(raw) / 2**20
     out["pieces"] = sum(len(tm.pieces) for tm in md.tensors.values())
