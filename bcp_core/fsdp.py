@@ -32,7 +32,7 @@ from torch import nn
 
 from .errors import BCPError
 from .metadata import CheckpointMetadata
-from .shards import Box, ShardedView
+from .shards import Box, ShardedView, range_boxes
 from .state import LoadTarget, LoadTargets, ModuleAdapter, clean_fqn, register_adapter, unwrap
 
 # Versions whose FSDP1 internals this adapter was written against and tested with.
@@ -66,36 +66,6 @@ def _fsdp_class():
 
 
 # ----------------------------------------------------------------------------- decomposition
-
-def range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple, tuple, int]]:
-    """Split the row-major elements [start, stop) of a tensor of `shape` into n-D boxes.
-
-    Returns (offsets, lengths, first) per box, `first` being the flat index of its first element.
-    Every box is a contiguous run of the flattened tensor, so its data is a slice of the flat
-    shard viewed with shape `lengths`. At most 2 * ndim - 1 boxes.
-    """
-    if stop <= start:
-        return []
-    if len(shape) <= 1:
-        return [((start,) if shape else (), (stop - start,) if shape else (), start)]
-    inner = math.prod(shape[1:])
-    rest = tuple(shape[1:])
-    out: list[tuple[tuple, tuple, int]] = []
-    if start % inner:  # a partial first row
-        row = start // inner
-        end = min(stop, (row + 1) * inner)
-        for offs, lens, first in range_boxes(rest, start - row * inner, end - row * inner):
-            out.append(((row, *offs), (1, *lens), row * inner + first))
-        start = end
-    rows = (stop - start) // inner
-    if rows:  # whole rows
-        out.append(((start // inner,) + (0,) * len(rest), (rows, *rest), start))
-        start += rows * inner
-    if start < stop:  # a partial last row
-        row = start // inner
-        for offs, lens, first in range_boxes(rest, 0, stop - start):
-            out.append(((row, *offs), (1, *lens), start + first))
-    return out
 
 
 @dataclass(frozen=True)

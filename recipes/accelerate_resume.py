@@ -16,9 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
+
+from _launch import relaunch  # recipes/_launch.py
 
 import torch
 import torch.nn.functional as F
@@ -138,15 +139,6 @@ def run_packed(args) -> None:
     accelerator.end_training()
 
 
-def relaunch(nproc: int, *extra: str) -> None:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                        "MASTER_ADDR", "MASTER_PORT") and not k.startswith("TORCHELASTIC")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           __file__, *extra]
-    print("+", " ".join(cmd[2:]), flush=True)
-    subprocess.run(cmd, env=env, check=True, timeout=300)
-
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -175,7 +167,7 @@ def main() -> None:
     run_phase(args)
     if int(os.environ["RANK"]) == 0:
         print(f"save_state wrote {sorted(os.listdir(ckpt))}")
-        relaunch(1, "--phase", "run", "--resume", ckpt, "--epochs", "2", "--out", os.path.join(out, "ws1"))
+        relaunch(__file__, 1, "--phase", "run", "--resume", ckpt, "--epochs", "2", "--out", os.path.join(out, "ws1"))
         print(f"done; outputs under {out}")
 
 

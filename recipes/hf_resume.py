@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
+
+from _launch import relaunch  # recipes/_launch.py
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -105,15 +106,6 @@ def run_phase(args) -> None:
         print("losses:", [(s, round(v, 6)) for s, v in trainer.losses])
 
 
-def relaunch(nproc: int, *extra: str) -> None:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                        "MASTER_ADDR", "MASTER_PORT") and not k.startswith("TORCHELASTIC")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           __file__, *extra]
-    print("+", " ".join(cmd[2:]), flush=True)
-    subprocess.run(cmd, env=env, check=True, timeout=300)
-
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -138,8 +130,8 @@ def main() -> None:
     run_phase(args)
     if int(os.environ["RANK"]) == 0:
         print(f"checkpoints (save_total_limit=1): {sorted(os.listdir(ckpt))}")
-        relaunch(1, "--phase", "run", "--resume", "last", "--max-steps", "8", "--out", os.path.join(out, "ws1"),
-                 "--ckpt-dir", ckpt)
+        relaunch(__file__, 1, "--phase", "run", "--resume", "last", "--max-steps", "8",
+                 "--out", os.path.join(out, "ws1"), "--ckpt-dir", ckpt)
         final = os.path.join(ckpt, "checkpoint-8")
         hf_dir = export_pretrained(final, os.path.join(out, "hf_model"))
         reloaded = LlamaForCausalLM.from_pretrained(hf_dir)

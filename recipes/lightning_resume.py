@@ -15,9 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
+
+from _launch import relaunch  # recipes/_launch.py
 
 import lightning as L
 import torch
@@ -159,15 +160,6 @@ def run_phase(args) -> None:
     trainer.fit(TinyRegressor(**CONFIG), ckpt_path=args.resume)
 
 
-def relaunch(nproc: int, *extra: str) -> None:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                        "MASTER_ADDR", "MASTER_PORT") and not k.startswith("TORCHELASTIC")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           __file__, *extra]
-    print("+", " ".join(cmd[2:]), flush=True)
-    subprocess.run(cmd, env=env, check=True, timeout=300)
-
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -192,8 +184,8 @@ def main() -> None:
     if int(os.environ["RANK"]) == 0:
         ckpt = os.path.join(out, "ckpt", "step=2.ckpt")
         print(f"bcp checkpoint: {ckpt} -> {sorted(os.listdir(ckpt))}")
-        relaunch(1, "--phase", "run", "--resume", ckpt, "--max-steps", "6", "--out", os.path.join(out, "ws1"))
-        relaunch(2, "--phase", "run", "--resume", ckpt, "--max-steps", "6", "--strategy", "fsdp2",
+        relaunch(__file__, 1, "--phase", "run", "--resume", ckpt, "--max-steps", "6", "--out", os.path.join(out, "ws1"))
+        relaunch(__file__, 2, "--phase", "run", "--resume", ckpt, "--max-steps", "6", "--strategy", "fsdp2",
                  "--out", os.path.join(out, "fsdp2"))
         print(f"done; outputs under {out}")
 

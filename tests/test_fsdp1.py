@@ -390,7 +390,7 @@ def test_load_into_other_layouts(saved, world_size):
 
 def test_range_boxes_cover_exactly_the_range_as_contiguous_runs():
     """Every run [start, stop) of a row-major tensor splits into <= 2*ndim-1 contiguous boxes."""
-    from bcp_core.fsdp import range_boxes
+    from bcp_core.shards import range_boxes
     g = torch.Generator().manual_seed(0)
     shapes = [(7,), (5, 3), (4, 1, 6), (3, 4, 5), (2, 3, 2, 4), (1, 9), (6, 1)]
     for shape in shapes:

@@ -497,7 +497,7 @@ def test_flat_optimizer_state_reshards_across_dp_and_tp(optimizer_run, case):
 # ----------------------------------------------------------------------------- single process
 
 def test_flat_range_boxes_cover_the_range_in_order():
-    from bcp_integrations.megatron import row_major_boxes
+    from bcp_core.shards import range_boxes as row_major_boxes
     shape = (3, 4, 5)
     for start in range(0, 60, 7):
         for stop in range(start, 61, 11):

@@ -6,7 +6,7 @@ Importing this package registers the `("bcp", 1)` dist_checkpointing backend, so
 """
 
 from .adapter import (build_factories, flat_range_sharded_tensors, load, load_state, merge_factories,
-                      row_major_boxes, save, save_state)
+                      save, save_state)
 from .optimizer import fully_reshardable_param_state
 from .megatron_lm import add_ckpt_format_choice, bcp_selected, enable_megatron_lm
 from .strategy import BACKEND, VERSION, BcpLoadShardedStrategy, BcpSaveShardedStrategy, register_strategies
@@ -16,5 +16,5 @@ register_strategies()
 __all__ = [
     "BACKEND", "VERSION", "BcpSaveShardedStrategy", "BcpLoadShardedStrategy", "register_strategies",
     "save", "load", "save_state", "load_state", "build_factories", "merge_factories", "flat_range_sharded_tensors",
-    "row_major_boxes", "fully_reshardable_param_state", "enable_megatron_lm", "add_ckpt_format_choice", "bcp_selected",
+    "fully_reshardable_param_state", "enable_megatron_lm", "add_ckpt_format_choice", "bcp_selected",
 ]

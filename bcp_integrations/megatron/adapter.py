@@ -36,7 +36,7 @@ from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject, 
 
 import bcp_core as bcp
 from bcp_core.errors import BCPError, ShapeMismatchError
-from bcp_core.shards import Box, ObjectShard, ShardedView
+from bcp_core.shards import Box, ObjectShard, ShardedView, range_boxes
 
 # io.BytesIO (Transformer Engine's `_extra_state`) has no place in bcp's safe codec; it travels as
 # bytes inside this one-key dict and is turned back into a BytesIO on load.
@@ -285,33 +285,6 @@ def _clip(box: Box, saved_shape: tuple, data: torch.Tensor):
 
 # ----------------------------------------------------------------------------- flat slices
 
-def row_major_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple, tuple, int]]:
-    """Split the row-major elements [start, stop) of a tensor of `shape` into n-D boxes.
-
-    Returns (offsets, lengths, first flat index) per box, in flat order: a partial first row, whole
-    rows, a partial last row (recursively), so at most 2 * ndim - 1 boxes, each a contiguous run
-    of the flat data.
-    """
-    if stop <= start:
-        return []
-    if len(shape) <= 1:
-        return [((start,), (stop - start,), start)] if shape else [((), (), start)]
-    inner = math.prod(shape[1:])
-    out: list[tuple[tuple, tuple, int]] = []
-    if start % inner:
-        row, end = start // inner, min(stop, (start // inner + 1) * inner)
-        out += [((row, *o), (1, *n), row * inner + f)
-                for o, n, f in row_major_boxes(shape[1:], start - row * inner, end - row * inner)]
-        start = end
-    rows = (stop - start) // inner
-    if rows:
-        out.append(((start // inner,) + (0,) * (len(shape) - 1), (rows, *shape[1:]), start))
-        start += rows * inner
-    if start < stop:
-        row = start // inner
-        out += [((row, *o), (1, *n), start + f) for o, n, f in row_major_boxes(shape[1:], 0, stop - start)]
-    return out
-
 
 def flat_range_sharded_tensors(key: str, flat: torch.Tensor, param: ShardedTensor, start: int,
                                replica_id=0) -> list[ShardedTensor]:
@@ -333,7 +306,7 @@ def flat_range_sharded_tensors(key: str, flat: torch.Tensor, param: ShardedTenso
                                  f"does not lie in parameter {param.key!r} of local shape {local}")
     p = param.prepend_axis_num
     out = []
-    for offs, lens, first in row_major_boxes(local, start, stop):
+    for offs, lens, first in range_boxes(local, start, stop):
         data = flat[first - start:first - start + math.prod(lens)].view(lens)
         goff = tuple(param.global_offset[:p]) + tuple(o + g for o, g in zip(offs, param.global_offset[p:]))
         out.append(ShardedTensor(key, data, flat.dtype, lens, tuple(param.global_shape), goff,
