@@ -61,8 +61,14 @@ def _state(gib: float, placement: str):
     return out
 
 
-def _timed(fn) -> float:
+def _settle() -> None:
+    """Flush dirty pages of earlier phases so no measurement pays for another's writeback."""
+    os.sync()
     dist.barrier()
+
+
+def _timed(fn) -> float:
+    _settle()
     t = time.perf_counter()
     fn()
     dist.barrier()
@@ -77,7 +83,7 @@ def _max(x: float) -> float:
 
 def _stall_then_wait(save_fn) -> float:
     """Time until save_fn returns (the stall); then wait for completion outside the timing."""
-    dist.barrier()
+    _settle()
     t = time.perf_counter()
     waiter = save_fn()
     stall = time.perf_counter() - t
