@@ -40,10 +40,9 @@ import torch
 from bcp_core.checkpointer import CachedPlan, _commit_metadata, _per_rank_replies
 from bcp_core.api import read_metadata
 from bcp_core.comm import _decode, build_tree, subtree_messages
-from bcp_core.fsdp import range_boxes
 from bcp_core.metadata import CHECKSUM_BLOCK_BYTES, METADATA_FILE, num_blocks
 from bcp_core.planner import box_read_items, digest, gc_paused, global_save_plan
-from bcp_core.shards import Box
+from bcp_core.shards import Box, range_boxes
 from bcp_core.storage import storage_for
 
 OPT_STATES = ("fp32_param", "exp_avg", "exp_avg_sq")
