@@ -23,6 +23,7 @@ docs/storage.md describes configuration and how to add a backend.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import random
 import shutil
@@ -298,6 +299,11 @@ class Storage(ABC):
     @abstractmethod
     def size(self, relpath: str) -> int: ...
 
+    def map(self, relpath: str) -> memoryview | None:
+        """A read-only view of the whole file without copying it (a memory map), or None if the
+        backend cannot offer one. Readers that need scattered parts of a file use it."""
+        return None
+
     @abstractmethod
     def write_atomic(self, relpath: str, data: bytes) -> None:
         """Replace the file with `data` so readers see either the old or the new content, durably."""
@@ -430,6 +436,12 @@ class LocalStorage(Storage):
 
     def size(self, relpath: str) -> int:
         return os.path.getsize(self._path(relpath))
+
+    def map(self, relpath: str) -> memoryview | None:
+        with open(self._path(relpath), "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                return memoryview(b"")
+            return memoryview(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ))
 
     def write_atomic(self, relpath: str, data: bytes) -> None:
         path = self._path(relpath)
