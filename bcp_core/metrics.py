@@ -267,3 +267,41 @@ def recorded(op: str, rank: Callable[..., int]):
             return result
         return inner
     return wrap
+
+
+def scalars(records: list[dict]) -> dict[str, float]:
+    """Flat numbers for a training logger from one rank's records: `bcp/<op>/<phase>_s` (busy
+    seconds), `bcp/<op>/<phase>_bytes` where bytes moved, and `bcp/<op>/total_s`."""
+    out: dict[str, float] = {}
+    for op in sorted({r["op"] for r in records}):
+        mine = [r for r in records if r["op"] == op]
+        for r in mine:
+            out[f"bcp/{op}/{r['phase']}_s"] = r["busy"]
+            if r["bytes"]:
+                out[f"bcp/{op}/{r['phase']}_bytes"] = float(r["bytes"])
+        out[f"bcp/{op}/total_s"] = max(r["end"] for r in mine) - min(r["start"] for r in mine)
+    return out
+
+
+class LatestScalars:
+    """A sink that keeps the `scalars` of this rank's latest save and load until an integration
+    hands them to its logger (sinks may run on bcp's background thread; loggers want the training
+    thread)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._latest: dict[str, float] = {}
+        add_sink(self)
+
+    def __call__(self, records: list[dict]) -> None:
+        if records:
+            with self._lock:
+                self._latest.update(scalars(records))
+
+    def pop(self) -> dict[str, float]:
+        with self._lock:
+            out, self._latest = self._latest, {}
+        return out
+
+    def close(self) -> None:
+        remove_sink(self)

@@ -90,3 +90,17 @@ def test_rng_state_helper_round_trips_through_a_checkpoint(tmp_path):
     set_rng_state(out["extra_state"]["rng"])
     again = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(first[0], again[0]) and first[1:] == again[1:]
+
+
+def test_metrics_scalars_for_training_loggers(tmp_path):
+    from bcp_core import metrics
+    sink = metrics.LatestScalars()
+    try:
+        bcp.save(str(tmp_path), {"w": torch.ones(1000)}).wait()
+        bcp.load(str(tmp_path), {"w": torch.empty(1000)})
+        values = sink.pop()
+    finally:
+        sink.close()
+    assert values["bcp/save/write_bytes"] >= 4000 and values["bcp/save/total_s"] > 0
+    assert values["bcp/load/read_s"] >= 0 and "bcp/load/total_s" in values
+    assert sink.pop() == {}

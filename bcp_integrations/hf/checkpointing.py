@@ -13,6 +13,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 
 import bcp_core as bcp
+from bcp_core import metrics
 from bcp_core.rng import rng_state, set_rng_state
 
 TRAINER_STATE_NAME = "trainer_state.json"  # HF reads this file itself in train() before any hook
@@ -42,10 +43,23 @@ class BCPCallback(TrainerCallback):
         self.trainer: Trainer | None = None  # set by BCPTrainerMixin
         self._pending: bcp.SaveHandle | None = None
         self._pending_rotation: tuple[str, int | None, str | None] | None = None
+        self._metrics: metrics.LatestScalars | None = None  # created in on_train_begin (it holds a lock)
 
     # -- callback events ------------------------------------------------------------------------
 
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        """Add the phase timings of the last committed save or load (`bcp/save/write_s`, ...) to the
+        logs: reporting callbacks placed after this one (BCPTrainer puts it first) see them, and
+        they are kept in `state.log_history`."""
+        values = self._metrics.pop() if self._metrics is not None else {}
+        if values and logs is not None:
+            logs.update(values)
+            if state.log_history:
+                state.log_history[-1].update(values)
+
     def on_train_begin(self, args, state, control, **kwargs):
+        if self._metrics is None:
+            self._metrics = metrics.LatestScalars()
         if self.trainer is None and args.save_strategy == SaveStrategy.BEST:
             raise ValueError("BCPCallback: save_strategy='best' is decided inside the Trainer, after the "
                              "callbacks run; use BCPTrainer (or BCPTrainerMixin) for it")
@@ -127,6 +141,10 @@ class BCPTrainerMixin:
             cbs = [c for c in self.callback_handler.callbacks if isinstance(c, BCPCallback)]
         self.bcp = cbs[0]
         self.bcp.trainer = self
+        # right after DefaultFlowCallback, before the reporting callbacks, so that they log the
+        # timings on_log adds
+        self.callback_handler.callbacks.remove(self.bcp)
+        self.callback_handler.callbacks.insert(1, self.bcp)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if resume_from_checkpoint is True:

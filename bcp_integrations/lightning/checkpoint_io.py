@@ -16,7 +16,7 @@ from lightning.pytorch.strategies import (DDPStrategy, FSDPStrategy, ModelParall
 
 import bcp_core as bcp
 from bcp_core.rng import rng_state, set_rng_state
-from bcp_core import codec
+from bcp_core import codec, metrics
 
 # Keys of Lightning's checkpoint dict that bcp replaces with the live model and optimizers.
 _TENSOR_KEYS = ("state_dict", "optimizer_states")
@@ -45,6 +45,7 @@ class BCPCheckpointIO(CheckpointIO):
         self.num_threads = num_threads
         self._pending: bcp.SaveHandle | None = None
         self._pending_path: str | None = None
+        self._metrics: metrics.LatestScalars | None = None  # created on first use (it holds a lock)
         # Lightning's spawn launcher moves rank 0's results to the main process through the
         # CheckpointIO as a single file; those direct calls stay plain torch files.
         self._files = TorchCheckpointIO()
@@ -83,6 +84,7 @@ class BCPCheckpointIO(CheckpointIO):
             raise TypeError("BCPCheckpointIO does not take storage_options: pass a URL that fsspec "
                             "understands (s3://, gs://, ...) as the checkpoint path instead")
         self.wait()  # one save in flight at a time; also makes re-saving to the same path safe
+        self.log_metrics(strategy)
         state: dict[str, Any] = {"model": strategy.model}
         if "optimizer_states" in checkpoint:  # absent for save_weights_only
             for i, opt in enumerate(strategy.optimizers):
@@ -102,8 +104,20 @@ class BCPCheckpointIO(CheckpointIO):
         if self.async_save:
             self._pending, self._pending_path = handle, os.fspath(path)
 
+    def log_metrics(self, strategy: Strategy) -> None:
+        """Hand the phase timings of the last committed save (and load) to the trainer's loggers,
+        from the training thread (bcp_core.metrics.scalars names them)."""
+        if self._metrics is None:
+            self._metrics = metrics.LatestScalars()
+        values = self._metrics.pop()
+        trainer = getattr(strategy.lightning_module, "_trainer", None) if strategy.lightning_module else None
+        if values and trainer is not None:
+            for logger in trainer.loggers:
+                logger.log_metrics(values, step=trainer.global_step)
+
     def load_all_ranks(self, strategy: Strategy, path) -> dict[str, Any]:
         self.wait()
+        self.log_metrics(strategy)  # also starts collecting, so this load's timings are logged later
         keys = bcp.inspect(path).keys()
         state: dict[str, Any] = {"model": strategy.model, "lightning": None}
         has_optimizers = any(k.startswith("optimizer_0.") for k in keys)
@@ -177,6 +191,7 @@ class BCPStrategyMixin(ABC):  # noqa: B024 - ABC for the object layout, not for 
     def teardown(self) -> None:
         # FSDPStrategy and ModelParallelStrategy do not call checkpoint_io.teardown themselves.
         self.bcp_io.wait()
+        self.bcp_io.log_metrics(self)
         super().teardown()
 
 
