@@ -135,3 +135,38 @@ def test_lightning_save_resume_across_world_sizes_and_strategies(tmp_path):
     _assert_same_state(r1, torch.load(tmp_path / "n1" / "state_start.pt", weights_only=False), rng=False)
     assert _losses(tmp_path / "r1") == _losses(tmp_path / "n1")
     assert sorted(_losses(tmp_path / "r1")) == [3, 4, 5, 6]
+
+
+def test_save_timings_reach_the_trainer_loggers(tmp_path):
+    """One process: BCPCheckpointIO hands each save's phase timings to Lightning's loggers."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from bcp_integrations.lightning import BCPCheckpointIO
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.lin(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16, 1)), batch_size=4)
+    logger = CSVLogger(str(tmp_path), name="logs")
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=logger, log_every_n_steps=1,
+                        enable_progress_bar=False, plugins=[BCPCheckpointIO()],
+                        callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), every_n_train_steps=2,
+                                                   save_top_k=-1)])
+    trainer.fit(Net(), data)
+    with open(os.path.join(logger.log_dir, "metrics.csv")) as f:
+        header = f.readline()
+    assert "bcp/save/write_s" in header and "bcp/save/total_s" in header, header
+    assert bcp.inspect(str(tmp_path / "ckpts" / "epoch=0-step=4.ckpt")).tensors
