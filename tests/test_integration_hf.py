@@ -155,9 +155,13 @@ def test_hf_callback_alone_saves_with_bcp_and_best_needs_the_mixin(tmp_path, mon
             self.weights = {k: v.clone() for k, v in model.state_dict().items()}
 
     start = StartStep()
-    resumed = _tiny_trainer(BCPTrainer, tmp_path / "cb", [start], max_steps=6, save_strategy="steps", save_steps=2)
+    resumed = _tiny_trainer(BCPTrainer, tmp_path / "cb", [start], max_steps=6, save_strategy="steps", save_steps=2,
+                            logging_steps=1)
     resumed.train(resume_from_checkpoint=True)
     assert start.step == 4 and resumed.state.global_step == 6
+    # the resume's phase timings were logged through on_log
+    logged = {k for entry in resumed.state.log_history for k in entry}
+    assert {"bcp/load/total_s", "bcp/load/read_s"} <= logged, logged  # (the step-6 save commits after the last log)
     for k, v in trainer.model.state_dict().items():
         assert torch.equal(start.weights[k], v), k
 

@@ -43,7 +43,7 @@ class BCPCallback(TrainerCallback):
         self.trainer: Trainer | None = None  # set by BCPTrainerMixin
         self._pending: bcp.SaveHandle | None = None
         self._pending_rotation: tuple[str, int | None, str | None] | None = None
-        self._metrics: metrics.LatestScalars | None = None  # created in on_train_begin (it holds a lock)
+        self._metrics = metrics.LatestScalars()  # timings of this rank's saves and loads, for on_log
 
     # -- callback events ------------------------------------------------------------------------
 
@@ -51,15 +51,13 @@ class BCPCallback(TrainerCallback):
         """Add the phase timings of the last committed save or load (`bcp/save/write_s`, ...) to the
         logs: reporting callbacks placed after this one (BCPTrainer puts it first) see them, and
         they are kept in `state.log_history`."""
-        values = self._metrics.pop() if self._metrics is not None else {}
+        values = self._metrics.pop()
         if values and logs is not None:
             logs.update(values)
             if state.log_history:
                 state.log_history[-1].update(values)
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if self._metrics is None:
-            self._metrics = metrics.LatestScalars()
         if self.trainer is None and args.save_strategy == SaveStrategy.BEST:
             raise ValueError("BCPCallback: save_strategy='best' is decided inside the Trainer, after the "
                              "callbacks run; use BCPTrainer (or BCPTrainerMixin) for it")
