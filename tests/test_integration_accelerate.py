@@ -91,6 +91,17 @@ def test_accelerate_save_load_state_across_num_processes(tmp_path):
     assert sorted(_losses(tmp_path / "r1")) == list(range(5, 13))
 
 
+@pytest.mark.timeout(400)
+def test_accelerate_one_process_checkpoint_resumes_on_two(tmp_path):
+    """1 -> 2 processes: the job starts from the single process's exact state (a new rank gets rank
+    0's RNG states) and trains on from the saved epoch with the steps of the new world size."""
+    _run(1, "--out", str(tmp_path / "a"), "--epochs", "1", "--save-dir", str(tmp_path / "state"))
+    saved = _state(tmp_path / "a" / "state_epoch1.pt")
+    _run(2, "--out", str(tmp_path / "r2"), "--epochs", "2", "--resume", str(tmp_path / "state"))
+    _assert_same_state(saved, _state(tmp_path / "r2" / "state_start.pt"))  # DDP: rank 1 holds the same
+    assert sorted(_losses(tmp_path / "r2")) == list(range(9, 13))  # 8 steps per epoch on 1 process
+
+
 @pytest.mark.timeout(300)
 def test_accelerate_packed_token_loader_state_resharded_2_to_1(tmp_path):
     """A bcp PackedTokenLoader registered with register_for_checkpointing: saved mid-epoch on 2
