@@ -78,3 +78,30 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 180.0) -> list:
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r][1] for r in range(world_size)]
+
+
+RECIPES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "recipes")
+
+
+def run_recipe(name: str, nproc: int, *args: str, timeout: float = 240, torchrun_for_one: bool = True,
+               env: dict | None = None) -> None:
+    """`recipes/<name> --phase run *args` on `nproc` processes (torchrun), with a hard timeout."""
+    import subprocess
+    import sys
+    script = os.path.join(RECIPES, name)
+    if nproc == 1 and not torchrun_for_one:
+        cmd = [sys.executable, script]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), script]
+    full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    full_env.update(env or {})
+    proc = subprocess.run([*cmd, "--phase", "run", *args], env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"{name} {' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+
+
+def losses_by_rank(d, rank: int = 0) -> dict[int, float]:
+    """The `losses_rank<r>.json` a recipe wrote: step -> loss."""
+    import json
+    with open(os.path.join(d, f"losses_rank{rank}.json")) as f:
+        return {step: loss for step, loss in json.load(f)}

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -20,20 +18,17 @@ pytest.importorskip("accelerate")
 import torch  # noqa: E402
 
 import bcp_core as bcp  # noqa: E402
+from dist import losses_by_rank, run_recipe  # noqa: E402
 
-RECIPE = os.path.join(os.path.dirname(__file__), "..", "recipes", "accelerate_resume.py")
+
 
 
 def _run(nproc: int, *args: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), RECIPE]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    proc = subprocess.run([*cmd, "--phase", "run", *args], env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    run_recipe("accelerate_resume.py", nproc, *args, timeout=180)
 
 
-def _losses(d, rank: int = 0) -> dict[int, float]:
-    with open(os.path.join(d, f"losses_rank{rank}.json")) as f:
-        return {step: loss for step, loss in json.load(f)}
+
+_losses = losses_by_rank
 
 
 def _state(path) -> dict:

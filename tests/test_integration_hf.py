@@ -10,9 +10,7 @@ the data position comes from the trainer state):
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -22,21 +20,17 @@ pytest.importorskip("accelerate")
 import torch  # noqa: E402
 
 import bcp_core as bcp  # noqa: E402
+from dist import RECIPES, losses_by_rank, run_recipe  # noqa: E402
 
-RECIPE = os.path.join(os.path.dirname(__file__), "..", "recipes", "hf_resume.py")
+
 
 
 def _run(nproc: int, *args: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), RECIPE]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env["HF_HUB_OFFLINE"] = "1"
-    proc = subprocess.run([*cmd, "--phase", "run", *args], env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    run_recipe("hf_resume.py", nproc, *args, timeout=240, env={"HF_HUB_OFFLINE": "1"})
 
 
-def _losses(d, rank: int = 0) -> dict[int, float]:
-    with open(os.path.join(d, f"losses_rank{rank}.json")) as f:
-        return {step: loss for step, loss in json.load(f)}
+
+_losses = losses_by_rank
 
 
 def _state(path) -> dict:
@@ -120,7 +114,7 @@ def test_hf_trainer_save_resume_across_world_sizes_and_export(tmp_path):
 def _tiny_trainer(trainer_cls, tmp_path, callbacks, **targs):
     from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-    sys.path.insert(0, os.path.dirname(RECIPE))
+    sys.path.insert(0, RECIPES)
     from hf_resume import MODEL, TokenData
 
     torch.manual_seed(0)

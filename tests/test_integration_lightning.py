@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -22,18 +20,13 @@ pytest.importorskip("lightning")
 import torch  # noqa: E402
 
 import bcp_core as bcp  # noqa: E402
+from dist import run_recipe  # noqa: E402
 
-RECIPE = os.path.join(os.path.dirname(__file__), "..", "recipes", "lightning_resume.py")
+
 
 
 def _run(nproc: int, *args: str) -> None:
-    if nproc == 1:
-        cmd = [sys.executable, RECIPE]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), RECIPE]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    proc = subprocess.run([*cmd, "--phase", "run", *args], env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    run_recipe("lightning_resume.py", nproc, *args, timeout=240, torchrun_for_one=False)
 
 
 def _losses(d) -> dict[int, float]:
