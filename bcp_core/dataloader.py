@@ -19,7 +19,9 @@ import multiprocessing as mp
 import queue
 import threading
 import time
+import logging
 import traceback
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
@@ -32,8 +34,15 @@ from .api import ShardReader
 from .errors import BCPError
 from .shards import ObjectShard
 
-__all__ = ["LoaderStateError", "ReadWorkerError", "ReshardableLoader", "OpaqueLoader", "PackedTokenLoader",
-           "checkpointable"]
+__all__ = ["LoaderStateError", "ReadWorkerError", "ReshardableLoader", "OpaqueLoader", "MappedLoader",
+           "PackedTokenLoader", "checkpointable", "saved_loader_state", "loadable_loader_state"]
+
+
+log = logging.getLogger(__name__)
+
+# How many batches back PackedTokenLoader can give its state (state_dict(unconsumed=k)). Read workers
+# keep prefetch_factor + 4 states behind the newest batch and are at most prefetch_factor + 1 ahead.
+_MAX_UNCONSUMED = 3
 
 
 class LoaderStateError(BCPError):
@@ -65,11 +74,14 @@ class ReshardableLoader:
         """Configuration identical on every rank (sources, seeds). Saved once, from rank 0."""
         raise NotImplementedError
 
-    def loader_unit_states(self) -> tuple[Any, list]:
+    def loader_unit_states(self, unconsumed: int = 0) -> tuple[Any, list]:
         """(rank_state, [unit_state] * units_per_rank) as of the last batch handed to the caller.
 
         Values in the safe codec. `rank_state` holds what is meaningful only in the same layout
-        (which worker yields next); unit states hold the remaining work.
+        (which worker yields next); unit states hold the remaining work. With `unconsumed=k`, the
+        state as of k batches earlier: the caller's framework fetched the last k batches ahead and
+        has not trained on them, so a restore must deliver them again. Raise LoaderStateError when
+        the loader cannot go back that far.
         """
         raise NotImplementedError
 
@@ -96,8 +108,9 @@ class ReshardableLoader:
 
     # -- generic part: how the protocol maps onto bcp's replicated values and sharded objects
 
-    def state_dict(self) -> dict:
-        rank_state, units = self.loader_unit_states()
+    def state_dict(self, unconsumed: int = 0) -> dict:
+        """The state to save; `unconsumed`: see loader_unit_states."""
+        rank_state, units = self.loader_unit_states(unconsumed) if unconsumed else self.loader_unit_states()
         if len(units) != self.units_per_rank:
             raise LoaderStateError(f"{type(self).__name__}: loader_unit_states() gave {len(units)} units, "
                                    f"units_per_rank is {self.units_per_rank}")
@@ -196,7 +209,6 @@ class OpaqueLoader:
             raise TypeError(f"{type(loader).__name__} has no state_dict()/load_state_dict()")
         _check_rank(dp_rank, dp_size)
         self.loader, self.dp_rank, self.dp_size = loader, dp_rank, dp_size
-        self._kind = f"{type(loader).__module__}.{type(loader).__qualname__}"
 
     def __iter__(self):
         return iter(self.loader)
@@ -205,8 +217,7 @@ class OpaqueLoader:
         return len(self.loader)
 
     def state_dict(self) -> dict:
-        return {"format": self.loader_format, "layout": {"dp_size": self.dp_size, "loader": self._kind},
-                "rank": ObjectShard(self.loader.state_dict(), (self.dp_rank,), (self.dp_size,))}
+        return saved_loader_state(self.loader, self.loader.state_dict(), self.dp_rank, self.dp_size)
 
     def bcp_load_template(self) -> dict:
         return {"format": None}
@@ -215,29 +226,124 @@ class OpaqueLoader:
         if state.get("format") != self.loader_format:
             raise LoaderStateError(f"the dataloader state has format {state.get('format')!r}, not that of an "
                                    f"opaque loader ({self.loader_format!r})")
-        layout = state.get("layout") or {}
-        saved_dp = layout.get("dp_size")
-        if saved_dp != self.dp_size:
-            raise LoaderStateError(
-                f"the dataloader state was saved at data-parallel degree {saved_dp} and this job has "
-                f"{self.dp_size}: {layout.get('loader')} keeps an opaque state that bcp cannot split or merge, "
-                f"so resuming would skip or repeat data. Resume at DP={saved_dp}, or use a loader implementing "
-                "bcp_core.dataloader.ReshardableLoader (such as PackedTokenLoader)")
-        self.loader.load_state_dict(_read_shard(state.get("rank"), self.dp_rank, f"state of DP rank {self.dp_rank}"))
+        self.loader.load_state_dict(loadable_loader_state(state, self.dp_rank, self.dp_size))
+
+
+class MappedLoader:
+    """`fn(batch)` for every batch of `loader`, checkpointed as `loader` itself.
+
+    For trainers that want batches in another form than the loader yields, e.g. the dict of tensors
+    a Hugging Face model takes, built from a PackedTokenLoader's token batches.
+    """
+
+    def __init__(self, loader, fn):
+        self.loader, self.fn = loader, fn
+
+    def __iter__(self):
+        for batch in self.loader:
+            yield self.fn(batch)
+
+    def __len__(self):
+        return len(self.loader)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.loader.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.loader.dp_size
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        return self.loader.state_dict(*args, **kwargs)
+
+    def bcp_load_template(self) -> dict:
+        template = getattr(self.loader, "bcp_load_template", None)
+        return template() if callable(template) else self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
 
 
 def checkpointable(loader, dp_rank: int | None = None, dp_size: int | None = None):
-    """What to put under state["dataloader"]: the loader itself when it is reshardable, else an
-    OpaqueLoader keyed by DP rank (which defaults to the global rank: pure data parallelism)."""
-    if isinstance(loader, (ReshardableLoader, OpaqueLoader)):
+    """What to put under state["dataloader"]: the loader itself when it speaks bcp's loader protocol
+    (ReshardableLoader, OpaqueLoader, MappedLoader over one), else an OpaqueLoader keyed by DP rank
+    (which defaults to the global rank: pure data parallelism)."""
+    if _speaks_bcp(loader):
         return loader
+    if isinstance(loader, MappedLoader):
+        return MappedLoader(checkpointable(loader.loader, dp_rank, dp_size), loader.fn)
+    dp_rank, dp_size = _dp_position(dp_rank, dp_size)
+    return OpaqueLoader(loader, dp_rank, dp_size)
+
+
+def saved_loader_state(loader, state: dict, dp_rank: int | None = None, dp_size: int | None = None,
+                       unconsumed: int = 0) -> dict:
+    """`state`, which `loader.state_dict()` returned, in the form bcp saves under state["dataloader"].
+
+    For integrations that receive a loader's state from their framework (Lightning's loop state)
+    rather than the loader: a state in bcp's loader protocol is kept as it is; any other is saved
+    as an opaque state per DP rank, restored only at the same DP degree (see OpaqueLoader).
+    `unconsumed`: batches the framework fetched ahead and did not train on yet. A ReshardableLoader
+    gives its state as of before them, so they are delivered again after a restore; other loaders
+    cannot, and their state stays ahead by that many batches (a warning says so).
+    """
+    if _reshardable(loader):
+        return loader.state_dict(unconsumed=unconsumed) if unconsumed else state
+    base = loader.loader if isinstance(loader, MappedLoader) else loader
+    if unconsumed:
+        log.warning("bcp: %s was %d batch(es) ahead of training when its state was saved and cannot give an "
+                    "earlier state: a restore skips those batches (a ReshardableLoader such as PackedTokenLoader "
+                    "does not)", type(base).__name__, unconsumed)
+    if isinstance(base, OpaqueLoader):
+        return state  # already in bcp's form
+    dp_rank, dp_size = _dp_position(dp_rank, dp_size)
+    _check_rank(dp_rank, dp_size)
+    kind = f"{type(base).__module__}.{type(base).__qualname__}"
+    return {"format": OpaqueLoader.loader_format, "layout": {"dp_size": dp_size, "loader": kind},
+            "rank": ObjectShard(state, (dp_rank,), (dp_size,))}
+
+
+def loadable_loader_state(state: dict, dp_rank: int | None = None, dp_size: int | None = None) -> dict:
+    """What to hand a live loader's `load_state_dict`, from a loader state that `bcp.load` put into
+    a plain dict (the loader did not exist yet, as in Lightning): an opaque state becomes this DP
+    rank's own state (LoaderStateError if the DP degree changed); a ReshardableLoader's state is
+    returned as it is, its sharded parts still to be read by the loader's `load_state_dict`."""
+    if not isinstance(state, Mapping) or "format" not in state:
+        raise LoaderStateError(f"expected a dataloader state saved by bcp (a dict with 'format'), got "
+                               f"{type(state).__name__}")
+    if state.get("format") != OpaqueLoader.loader_format:
+        return dict(state)
+    dp_rank, dp_size = _dp_position(dp_rank, dp_size)
+    layout = state.get("layout") or {}
+    saved_dp = layout.get("dp_size")
+    if saved_dp != dp_size:
+        raise LoaderStateError(
+            f"the dataloader state was saved at data-parallel degree {saved_dp} and this job has "
+            f"{dp_size}: {layout.get('loader')} keeps an opaque state that bcp cannot split or merge, "
+            f"so resuming would skip or repeat data. Resume at DP={saved_dp}, or use a loader implementing "
+            "bcp_core.dataloader.ReshardableLoader (such as PackedTokenLoader)")
+    return _read_shard(state.get("rank"), dp_rank, f"state of DP rank {dp_rank}")
+
+
+def _speaks_bcp(loader) -> bool:
+    if isinstance(loader, MappedLoader):
+        return _speaks_bcp(loader.loader)
+    return isinstance(loader, (ReshardableLoader, OpaqueLoader))
+
+
+def _reshardable(loader) -> bool:
+    return isinstance(loader.loader if isinstance(loader, MappedLoader) else loader, ReshardableLoader)
+
+
+def _dp_position(dp_rank: int | None, dp_size: int | None) -> tuple[int, int]:
     import torch.distributed as dist
     on = dist.is_available() and dist.is_initialized()
     if dp_rank is None:
         dp_rank = dist.get_rank() if on else 0
     if dp_size is None:
         dp_size = dist.get_world_size() if on else 1
-    return OpaqueLoader(loader, dp_rank, dp_size)
+    return dp_rank, dp_size
 
 
 def _check_rank(dp_rank: int, dp_size: int) -> None:
@@ -602,6 +708,9 @@ class PackedTokenLoader(ReshardableLoader):
         # per worker state collected: asked for ahead of the checkpoint step, or only when it came
         self.stats = {"prefetched": 0, "on_demand": 0, "last_state_wait_s": 0.0}
         self._yielded = 0  # batches yielded since construction or restore: the prefetch schedule's clock
+        # (worker, its unit before the batch when in-process) of the last batches yielded this epoch,
+        # to give the state as of before batches a framework fetched ahead (state_dict(unconsumed=k))
+        self._recent: deque = deque(maxlen=_MAX_UNCONSUMED)
         self._start_epoch(0)
 
     # -- iteration
@@ -616,6 +725,7 @@ class PackedTokenLoader(ReshardableLoader):
         first = self.dp_rank * self.units_per_rank
         self._units = [self._packer.fresh(epoch, first + w, n) for w in range(self.units_per_rank)]
         self._next_worker = 0
+        self._recent.clear()
 
     def __iter__(self):
         """Continue the current epoch, or start the next one if it is over."""
@@ -625,10 +735,12 @@ class PackedTokenLoader(ReshardableLoader):
 
     def __next__(self) -> torch.Tensor:
         if self.num_workers == 0:
-            step = self._packer.next_batch(self._units[0])
+            before = self._units[0]
+            step = self._packer.next_batch(before)
             if step is None:
                 raise StopIteration
             self._units[0], batch, _ = step
+            self._recent.append((0, before))
             self._yielded += 1
             return torch.from_numpy(batch)
         if self._pool is None:
@@ -648,12 +760,14 @@ class PackedTokenLoader(ReshardableLoader):
                 continue
             _, count, batch, _ = msg
             pool.consumed[w] = count
+            self._recent.append((w, None))
             self._yielded += 1
             if self.checkpoint_interval and self._yielded % self.checkpoint_interval == 0:
                 self._prefetch_next()  # this is a checkpoint step: prepare the next one already
             return torch.from_numpy(batch)
         self._units = [self._packer.exhausted(self._epoch)] * self.num_workers
         self._close_pool()
+        self._recent.clear()  # the workers and the states they kept are gone; nothing is left to fetch
         raise StopIteration
 
     def _prefetch_next(self) -> None:
@@ -685,6 +799,7 @@ class PackedTokenLoader(ReshardableLoader):
                 self._units = self._current_units()
             finally:
                 self._close_pool()
+                self._recent.clear()
 
     def _close_pool(self) -> None:
         pool, self._pool = self._pool, None
@@ -697,23 +812,25 @@ class PackedTokenLoader(ReshardableLoader):
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
-    def _current_units(self) -> list[_Unit]:
-        """Each unit's state as of the last batch yielded: no worker may be ahead in what is saved."""
+    def _current_units(self, counts: list[int] | None = None) -> list[_Unit]:
+        """Each unit's state as of the last batch yielded (or as of batch `counts[w]` of worker w): no
+        worker may be ahead in what is saved."""
         pool = self._pool
         if pool is None:
             return list(self._units)
+        counts = list(pool.consumed) if counts is None else counts
         t0 = time.perf_counter()
         units: list[_Unit | None] = [None] * self.num_workers
         for w in range(self.num_workers):
-            if pool.ended[w]:
+            if pool.ended[w] and counts[w] == pool.consumed[w]:
                 units[w] = self._packer.exhausted(self._epoch)
                 continue
-            ahead = (w, pool.consumed[w]) in pool.requested
+            ahead = (w, counts[w]) in pool.requested
             self.stats["prefetched" if ahead else "on_demand"] += 1
-            pool.request(w, pool.consumed[w])
+            pool.request(w, counts[w])
         for w in range(self.num_workers):
             if units[w] is None:
-                units[w] = pool.take_state(w, pool.consumed[w])
+                units[w] = pool.take_state(w, counts[w])
         self.stats["last_state_wait_s"] = time.perf_counter() - t0
         return units
 
@@ -723,8 +840,21 @@ class PackedTokenLoader(ReshardableLoader):
         return {"sources": [[n, c] for n, c in zip(self.names, self._packer.counts)], "seed": self.seed,
                 "shuffle": self.shuffle, "generation": self._generation}
 
-    def loader_unit_states(self) -> tuple[Any, list]:
-        return {"next_worker": self._next_worker}, [self._encode(u) for u in self._current_units()]
+    def loader_unit_states(self, unconsumed: int = 0) -> tuple[Any, list]:
+        if unconsumed == 0:
+            return {"next_worker": self._next_worker}, [self._encode(u) for u in self._current_units()]
+        if not 0 < unconsumed <= len(self._recent):
+            raise LoaderStateError(f"PackedTokenLoader can give its state as of at most {len(self._recent)} "
+                                   f"batches back here (asked for {unconsumed}; it keeps {_MAX_UNCONSUMED} within "
+                                   "an epoch while its read workers run)")
+        back = list(self._recent)[-unconsumed:]
+        if self.num_workers == 0:
+            return {"next_worker": 0}, [self._encode(back[0][1])]
+        counts = list(self._pool.consumed)
+        for w, _ in back:
+            counts[w] -= 1
+        units = self._current_units(counts)
+        return {"next_worker": back[0][0]}, [self._encode(u) for u in units]
 
     def split_unit_state(self, unit: Any, lo: Fraction, hi: Fraction) -> Any:
         u = self._decode(unit)
@@ -779,6 +909,7 @@ class PackedTokenLoader(ReshardableLoader):
         self._units, self._epoch = decoded, epochs[0]
         self._next_worker = int(rank_state["next_worker"]) % self.units_per_rank if rank_state else 0
         self._yielded = 0
+        self._recent.clear()
 
     # -- unit states as safe-codec values
 

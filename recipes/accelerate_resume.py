@@ -63,7 +63,8 @@ def dump(path, accelerator, model, opt, sched, progress) -> None:
 
 
 def run_phase(args) -> None:
-    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(
+        use_seedable_sampler=True, use_stateful_dataloader=args.stateful))
     if not args.native:
         register(accelerator)
     set_seed(0)
@@ -91,8 +92,10 @@ def run_phase(args) -> None:
             opt.zero_grad()
             progress.step += 1
             losses.append((progress.step, loss.item()))
+            if args.save_dir and progress.step == args.save_at_step:  # mid-epoch: needs --stateful
+                accelerator.save_state(args.save_dir)
         progress.epoch += 1
-        if args.save_dir and progress.epoch == args.save_after_epoch:
+        if args.save_dir and args.save_at_step is None and progress.epoch == args.save_after_epoch:
             accelerator.save_state(args.save_dir)
             dump(os.path.join(args.out, f"state_epoch{progress.epoch}.pt"), accelerator, model, opt, sched, progress)
     with open(os.path.join(args.out, f"losses_rank{accelerator.process_index}.json"), "w") as f:
@@ -149,6 +152,8 @@ def main() -> None:
     p.add_argument("--save-after-epoch", type=int, default=1)
     p.add_argument("--resume", default=None, help="accelerator.load_state directory")
     p.add_argument("--native", action="store_true", help="Accelerate's own checkpoints instead of bcp (reference)")
+    p.add_argument("--stateful", action="store_true", help="use_stateful_dataloader=True (torchdata)")
+    p.add_argument("--save-at-step", type=int, default=None, help="save_state after this step, mid-epoch")
     p.add_argument("--packed", action="store_true", help="train on bcp's PackedTokenLoader (one epoch)")
     p.add_argument("--save-after-step", type=int, default=2, help="with --packed: save_state after this batch")
     p.add_argument("--max-steps", type=int, default=None, help="with --packed: stop after this many batches")

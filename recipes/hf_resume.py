@@ -81,6 +81,29 @@ def losses_recorded(trainer_cls):
     return Recording
 
 
+# For --packed: documents of unique token ids (the model sees them modulo its vocabulary).
+DOCS = {"web": [list(range(100 * i, 100 * i + 3 + i % 5)) for i in range(24)],
+        "code": [list(range(5000 + 100 * i, 5000 + 100 * i + 2 + i % 3)) for i in range(12)]}
+
+
+def packed_loader(out: str, rank: int, world: int):
+    """bcp's PackedTokenLoader, mapped to the inputs a causal LM takes; writes each batch it yields
+    with the loader's epoch."""
+    from bcp_core.dataloader import MappedLoader, PackedTokenLoader
+
+    seen = []
+
+    def to_inputs(batch):
+        seen.append((tokens.epoch, batch.tolist()))
+        with open(os.path.join(out, f"batches_rank{rank}.json"), "w") as f:
+            json.dump(seen, f)
+        ids = batch.clamp(min=0) % MODEL["vocab_size"]
+        return {"input_ids": ids, "labels": ids.masked_fill(batch < 0, -100)}
+
+    tokens = PackedTokenLoader(DOCS, seq_len=4, batch_size=2, dp_rank=rank, dp_size=world, seed=0, pad_id=-1)
+    return MappedLoader(tokens, to_inputs)
+
+
 def run_phase(args) -> None:
     rank = int(os.environ.get("RANK", "0"))
     os.makedirs(args.out, exist_ok=True)
@@ -95,7 +118,11 @@ def run_phase(args) -> None:
     trainer_cls = losses_recorded(Trainer if args.native else BCPTrainer)
     if not args.native:
         callbacks.append(BCPCallback())
-    trainer = trainer_cls(model=model, args=targs, train_dataset=TokenData(), callbacks=callbacks)
+    if args.packed:
+        loader = packed_loader(args.out, rank, int(os.environ.get("WORLD_SIZE", "1")))
+        trainer = trainer_cls(model=model, args=targs, train_dataloader=loader, callbacks=callbacks)
+    else:
+        trainer = trainer_cls(model=model, args=targs, train_dataset=TokenData(), callbacks=callbacks)
     resume = args.resume
     if resume == "last":
         resume = True
@@ -118,6 +145,8 @@ def main() -> None:
     p.add_argument("--resume", default=None, help="checkpoint path, or 'last' for resume_from_checkpoint=True")
     p.add_argument("--dump-at-step", type=int, default=None)
     p.add_argument("--native", action="store_true", help="HF's own checkpoints instead of bcp (reference)")
+    p.add_argument("--packed", action="store_true",
+                   help="train on bcp's PackedTokenLoader (BCPTrainer(train_dataloader=...)), one epoch")
     args = p.parse_args()
     if args.phase == "run":
         run_phase(args)

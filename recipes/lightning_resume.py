@@ -75,6 +75,37 @@ class TinyRegressor(L.LightningModule):
         return DataLoader(TensorDataset(x, y), batch_size=CONFIG["batch_size"])
 
 
+class PackedTokens(L.LightningModule):
+    """Token batches from bcp's PackedTokenLoader. Its state leaves Lightning's loop state for bcp's
+    dataloader entry, so it is split and merged when the number of ranks changes. Writes the batches
+    this rank trained on, with their global step."""
+
+    DOCS = {"web": [list(range(100 * i, 100 * i + 3 + i % 5)) for i in range(24)],
+            "code": [list(range(5000 + 100 * i, 5000 + 100 * i + 2 + i % 3)) for i in range(12)]}
+
+    def __init__(self, out: str):
+        super().__init__()
+        self.out, self.seen = out, []
+        self.emb = nn.EmbeddingBag(8000, 4)
+
+    def train_dataloader(self):
+        from bcp_core.dataloader import PackedTokenLoader
+        dp = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}  # the DP rank and degree
+        return PackedTokenLoader(self.DOCS, seq_len=4, batch_size=2, dp_rank=dp.get("rank", 0),
+                                 dp_size=dp.get("num_replicas", 1), seed=0, pad_id=-1)
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append((self.trainer.global_step + 1, batch.tolist()))
+        return self.emb(batch.clamp(min=0)).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=CONFIG["lr"])
+
+    def on_train_end(self):
+        with open(os.path.join(self.out, f"batches_rank{self.trainer.global_rank}.json"), "w") as f:
+            json.dump(self.seen, f)
+
+
 class Recorder(Callback):
     """Writes the mean loss of every step, and the full training state at chosen points, from rank 0."""
 
@@ -139,7 +170,7 @@ def build_trainer(args, world: int, callbacks: list) -> L.Trainer:
     return L.Trainer(accelerator="cpu", devices=world, strategy=strategy, plugins=plugins, max_steps=args.max_steps,
                      callbacks=callbacks, logger=False, enable_checkpointing=bool(args.ckpt_dir),
                      default_root_dir=args.out, enable_progress_bar=False, enable_model_summary=False,
-                     num_sanity_val_steps=0, deterministic=True)
+                     num_sanity_val_steps=0, deterministic=True, max_epochs=1 if args.packed else None)
 
 
 def run_phase(args) -> None:
@@ -147,7 +178,7 @@ def run_phase(args) -> None:
     L.seed_everything(0, verbose=False)
     os.makedirs(args.out, exist_ok=True)
     # (FSDP1 full state dicts segfault on CPU, so the fsdp runs record losses only)
-    dumps = args.strategy != "fsdp"
+    dumps = args.strategy != "fsdp" and not args.packed
     callbacks = [Recorder(args.out, dump_at_step=args.dump_at_step if dumps else None,
                           dump_at_start=dumps and args.resume is not None)]
     if args.ckpt_dir:
@@ -157,7 +188,7 @@ def run_phase(args) -> None:
         callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir + "_newest", filename="newest-{step}",
                                          every_n_train_steps=args.every, save_top_k=1, monitor="step", mode="max"))
     trainer = build_trainer(args, world, callbacks)
-    trainer.fit(TinyRegressor(**CONFIG), ckpt_path=args.resume)
+    trainer.fit(PackedTokens(args.out) if args.packed else TinyRegressor(**CONFIG), ckpt_path=args.resume)
 
 
 
@@ -172,6 +203,7 @@ def main() -> None:
     p.add_argument("--resume", default=None, help="checkpoint to resume from (fit(ckpt_path=...))")
     p.add_argument("--dump-at-step", type=int, default=None)
     p.add_argument("--native", action="store_true", help="Lightning's own checkpoints instead of bcp (reference)")
+    p.add_argument("--packed", action="store_true", help="train on bcp's PackedTokenLoader (one epoch)")
     args = p.parse_args()
     if args.phase == "run":
         run_phase(args)

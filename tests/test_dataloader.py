@@ -291,6 +291,62 @@ def test_in_memory_state_dict_round_trip_and_reshard_refusal():
         make(0, 3).load_state_dict(sd)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_state_as_of_batches_fetched_ahead_delivers_them_again(workers):
+    """A framework that fetched k batches ahead (Lightning prefetches one) saves the state before
+    them: the restored loader delivers those k batches again, then the rest, nothing else."""
+    loader = make(0, 2, workers)
+    try:
+        seen = drain(loader, 3)
+        with pytest.raises(LoaderStateError, match="at most 3 batches back"):
+            loader.state_dict(unconsumed=4)
+        for k in (1, 3):
+            sd = loader.state_dict(unconsumed=k)
+            again = make(0, 2, workers)
+            again.load_state_dict(sd)
+            try:
+                assert drain(again, k) == seen[-k:]
+            finally:
+                again.close()
+        rest = drain(loader)
+        again = make(0, 2, workers)
+        again.load_state_dict(sd)  # as of before the 3 batches: all of them again, then the rest
+        try:
+            assert drain(again) == seen + rest and rest
+        finally:
+            again.close()
+    finally:
+        loader.close()
+
+
+def test_loader_state_loaded_before_the_loader_exists(tmp_path):
+    """What integrations do when the framework builds its loader only after the checkpoint is read
+    (Lightning): load into a plain dict, hand the result to the loader later. A reshardable state
+    is resharded then; an opaque one is resolved to this DP rank's state, or refused at another DP."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from bcp_core.dataloader import MappedLoader, loadable_loader_state, saved_loader_state
+
+    loader, plain = make(0, 1), StatefulDataLoader(list(range(10)), batch_size=2)
+    drain(loader, 2)
+    next(iter(plain))
+    path = str(tmp_path / "ckpt")
+    bcp.save(path, {"dataloader": saved_loader_state(loader, loader.state_dict()),
+                    "dataloader_1": saved_loader_state(plain, plain.state_dict(), 0, 1)}).wait()
+    state: dict = {"dataloader": {}, "dataloader_1": {}}
+    bcp.load(path, state)
+    halves = [make(r, 2) for r in (0, 1)]
+    for h in halves:
+        MappedLoader(h, lambda b: b).load_state_dict(loadable_loader_state(state["dataloader"], h.dp_rank, 2))
+    resumed = Counter(t for h in halves for t in real(drain(h)))
+    assert resumed == Counter(real(drain(loader))) and resumed  # split over 2 ranks: the same tokens
+    fresh = StatefulDataLoader(list(range(10)), batch_size=2)
+    fresh.load_state_dict(loadable_loader_state(state["dataloader_1"], 0, 1))
+    assert [b.tolist() for b in fresh] == [[2, 3], [4, 5], [6, 7], [8, 9]]
+    with pytest.raises(LoaderStateError, match="saved at data-parallel degree 1 and this job has 2"):
+        loadable_loader_state(state["dataloader_1"], 0, 2)
+
+
 def test_unit_overlaps_partition_the_saved_units():
     for old_n in range(1, 9):
         for new_n in range(1, 9):

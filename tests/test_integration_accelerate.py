@@ -122,3 +122,28 @@ def test_accelerate_packed_token_loader_state_resharded_2_to_1(tmp_path):
                     + [t for i in range(12) for t in range(5000 + 100 * i, 5000 + 100 * i + 2 + i % 3)])
     assert before and after
     assert before + after == epoch  # nothing skipped, nothing repeated
+
+
+@pytest.mark.timeout(300)
+def test_stateful_dataloader_position_goes_through_bcp_loader_support(tmp_path):
+    """use_stateful_dataloader=True, saved mid-epoch on 2 processes: the prepared loader's state is
+    one bcp loader part per process (`dataloader.rank`); resuming on 2 processes continues exactly
+    as Accelerate resuming its own checkpoint does; on 1 process the opaque state is refused with
+    an error instead of silently skipping or repeating data."""
+    _run(2, "--stateful", "--out", str(tmp_path / "a"), "--epochs", "2", "--save-at-step", "2",
+         "--save-dir", str(tmp_path / "state"))
+    _run(2, "--stateful", "--native", "--out", str(tmp_path / "n"), "--epochs", "2", "--save-at-step", "2",
+         "--save-dir", str(tmp_path / "native"))
+    md = bcp.inspect(tmp_path / "state")
+    assert md.objects["dataloader.format"].encoded == "bcp.OpaqueLoader/1"
+    assert [s.index for s in md.sharded_objects["dataloader.rank"].shards] == [(0,), (1,)]
+
+    _run(2, "--stateful", "--out", str(tmp_path / "r2"), "--epochs", "2", "--resume", str(tmp_path / "state"))
+    _run(2, "--stateful", "--native", "--out", str(tmp_path / "nr2"), "--epochs", "2",
+         "--resume", str(tmp_path / "native"))
+    resumed = _losses(tmp_path / "r2")
+    assert sorted(resumed) == list(range(3, 9))
+    assert resumed == _losses(tmp_path / "nr2")
+
+    with pytest.raises(AssertionError, match="saved at data-parallel degree 2 and this job has 1"):
+        _run(1, "--stateful", "--out", str(tmp_path / "r1"), "--epochs", "2", "--resume", str(tmp_path / "state"))

@@ -14,6 +14,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rota
 
 import bcp_core as bcp
 from bcp_core import metrics
+from bcp_core.dataloader import checkpointable
 from bcp_core.rng import rng_state, set_rng_state
 
 TRAINER_STATE_NAME = "trainer_state.json"  # HF reads this file itself in train() before any hook
@@ -81,11 +82,15 @@ class BCPCallback(TrainerCallback):
 
     # -- save -----------------------------------------------------------------------------------
 
-    def save(self, output_dir: str, args, state, model, optimizer, lr_scheduler, scaler=None) -> bcp.SaveHandle:
-        """Write checkpoint `output_dir` from every rank (collective)."""
+    def save(self, output_dir: str, args, state, model, optimizer, lr_scheduler, scaler=None,
+             dataloader=None) -> bcp.SaveHandle:
+        """Write checkpoint `output_dir` from every rank (collective). `dataloader`: a train loader
+        in bcp's loader protocol (see bcp_core.dataloader.checkpointable), saved per DP rank."""
         self.wait()  # one save in flight; applies the previous save's rotation once it is committed
         bstate: dict[str, Any] = {"model": model, "optimizer": _unwrap(optimizer),
                                   "extra_state": {"rng": rng_state()}}
+        if dataloader is not None:
+            bstate["dataloader"] = dataloader
         if lr_scheduler is not None:
             bstate["scheduler"] = _unwrap(lr_scheduler, "scheduler")
         if scaler is not None:
@@ -129,10 +134,23 @@ class BCPTrainerMixin:
     ``_load_optimizer_and_scheduler``, ``_load_scaler``, ``_load_rng_state`` and
     ``_load_best_model``; and ``train(resume_from_checkpoint=True)`` picks the newest *committed*
     checkpoint. A ``BCPCallback`` is added if the callbacks have none.
+
+    ``train_dataloader``: a loader that keeps its own position, used instead of the one the Trainer
+    builds from ``train_dataset``. Its state is saved with every checkpoint through bcp's loader
+    support (a ``bcp_core.dataloader.ReshardableLoader`` such as ``PackedTokenLoader``, wrapped in
+    a ``MappedLoader`` to yield the model's inputs, is split and merged when the world size changes;
+    another stateful loader is restored at the same world size only), and on resume it continues
+    from there: the Trainer's skipping of the epoch's first batches is turned off
+    (``args.ignore_data_skip = True``).
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, train_dataloader=None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.bcp_train_dataloader = None
+        if train_dataloader is not None:
+            self.bcp_train_dataloader = checkpointable(train_dataloader, self.args.process_index,
+                                                       self.args.world_size)
+            self.args.ignore_data_skip = True  # the loader restores its position itself
         cbs = [c for c in self.callback_handler.callbacks if isinstance(c, BCPCallback)]
         if not cbs:
             self.add_callback(BCPCallback())
@@ -143,6 +161,11 @@ class BCPTrainerMixin:
         # timings on_log adds
         self.callback_handler.callbacks.remove(self.bcp)
         self.callback_handler.callbacks.insert(1, self.bcp)
+
+    def get_train_dataloader(self):
+        if self.bcp_train_dataloader is not None:
+            return self.bcp_train_dataloader
+        return super().get_train_dataloader()
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if resume_from_checkpoint is True:
@@ -163,7 +186,7 @@ class BCPTrainerMixin:
                 self.state.best_model_checkpoint = best
         self._update_exportable_callbacks()
         self.bcp.save(output_dir, self.args, self.state, self.model_wrapped, self.optimizer, self.lr_scheduler,
-                      getattr(self.accelerator, "scaler", None))
+                      getattr(self.accelerator, "scaler", None), self.bcp_train_dataloader)
 
     def _update_exportable_callbacks(self) -> None:
         from transformers.trainer_callback import ExportableState
@@ -193,6 +216,11 @@ class BCPTrainerMixin:
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None and any(k.startswith("scaler.") for k in keys):
             state["scaler"] = scaler
+        if self.bcp_train_dataloader is not None:
+            if "dataloader.format" not in keys:
+                raise bcp.KeyMismatchError(f"{checkpoint} holds no dataloader state: it was saved without a "
+                                           "train_dataloader, so the position in the data cannot be restored")
+            state["dataloader"] = self.bcp_train_dataloader
         bcp.load(checkpoint, state)
 
     def _load_scaler(self, checkpoint) -> None:

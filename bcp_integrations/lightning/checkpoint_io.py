@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from abc import ABC
 from collections.abc import Mapping
 from typing import Any
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import (DDPStrategy, FSDPStrategy, ModelParallelStrategy,
                                           SingleDeviceStrategy, Strategy)
 
 import bcp_core as bcp
-from bcp_core.rng import rng_state, set_rng_state
 from bcp_core import codec, metrics
+from bcp_core.dataloader import loadable_loader_state, saved_loader_state
+from bcp_core.rng import rng_state, set_rng_state
 
 # Keys of Lightning's checkpoint dict that bcp replaces with the live model and optimizers.
 _TENSOR_KEYS = ("state_dict", "optimizer_states")
@@ -90,6 +93,7 @@ class BCPCheckpointIO(CheckpointIO):
             for i, opt in enumerate(strategy.optimizers):
                 state[f"optimizer_{i}"] = opt
         rest = {k: v for k, v in checkpoint.items() if k not in _TENSOR_KEYS}
+        rest = _move_loader_states(strategy, rest, state)
         try:
             encoded = codec.encode(_plain(rest), "Lightning checkpoint", self.allow_pickle)
         except bcp.UnsupportedValueError as e:
@@ -126,8 +130,11 @@ class BCPCheckpointIO(CheckpointIO):
                 state[f"optimizer_{i}"] = opt
         if "extra_state.rng.torch" in keys:
             state["extra_state"] = {}
+        for name in {k.split(".", 1)[0] for k in keys if _LOADER_KEY.match(k.split(".", 1)[0])}:
+            state[name] = {}  # the live loaders do not exist yet: Lightning restores them later
         bcp.load(path, state, allow_pickle=self.allow_pickle, num_threads=self.num_threads)
         checkpoint = codec.decode(json.loads(state["lightning"]), "Lightning checkpoint", self.allow_pickle)
+        _restore_loader_states(strategy, checkpoint, state)
         # The model and optimizers are already in place; Lightning's own restore of them is disabled
         # by the mixin, but user hooks (on_load_checkpoint) may look for the keys.
         checkpoint["state_dict"] = {}
@@ -233,6 +240,65 @@ _install_binding()
 
 
 # ----------------------------------------------------------------------------- helpers
+
+# bcp keys of the train loaders' states: "dataloader", "dataloader_1", ... (one per stateful loader)
+_LOADER_KEY = re.compile(r"^dataloader(_\d+)?$")
+
+
+def _fit_loop_state(checkpoint: dict) -> dict | None:
+    sd = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict")
+    return sd if isinstance(sd, dict) else None
+
+
+def _dp_position(strategy: Strategy) -> tuple[int, int]:
+    """This rank's data-parallel rank and degree, as Lightning gives them to samplers."""
+    kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
+    return int(kwargs.get("rank", 0)), int(kwargs.get("num_replicas", 1)) or 1
+
+
+def _move_loader_states(strategy: Strategy, rest: dict, state: dict) -> dict:
+    """Take the train loaders' states out of Lightning's loop state into bcp's dataloader entries.
+
+    Lightning keeps them in ``loops.fit_loop.state_dict.combined_loader``, one per stateful train
+    loader. In that replicated dict one rank's state would stand for all; as ``state["dataloader"]``
+    (``dataloader_1``, ...) each DP rank's part is saved, and a ReshardableLoader's state is split
+    and merged when the DP degree changes. The loop state keeps the entries' names.
+    """
+    fit = _fit_loop_state(rest)
+    states = fit.get("combined_loader") if fit else None
+    if not states:
+        return rest
+    combined = strategy.lightning_module.trainer.fit_loop._combined_loader
+    loaders = [ld for ld in combined.flattened if isinstance(ld, _Stateful)] if combined is not None else []
+    if len(loaders) != len(states):
+        raise RuntimeError(f"Lightning's loop state holds {len(states)} train loader states, the train "
+                           f"dataloader has {len(loaders)} stateful loaders")
+    dp_rank, dp_size = _dp_position(strategy)
+    # Lightning's fetcher draws a batch ahead of the one being trained on (to know when the epoch
+    # ends); the state saved is the one before the batches it holds, so they are not lost.
+    fetcher = strategy.lightning_module.trainer.fit_loop._data_fetcher
+    unconsumed = len(getattr(fetcher, "batches", None) or ())
+    names = []
+    for i, (loader, loader_state) in enumerate(zip(loaders, states)):
+        name = "dataloader" if i == 0 else f"dataloader_{i}"
+        state[name] = saved_loader_state(loader, loader_state, dp_rank, dp_size, unconsumed)
+        names.append(name)
+    # copies along the path: Lightning's own dict stays as it was
+    loops = dict(rest["loops"])
+    loops["fit_loop"] = dict(loops["fit_loop"])
+    loops["fit_loop"]["state_dict"] = {**fit, "combined_loader": names}
+    return {**rest, "loops": loops}
+
+
+def _restore_loader_states(strategy: Strategy, checkpoint: dict, state: dict) -> None:
+    """Put the loaded loader states back where Lightning looks for them (the fit loop hands them to
+    the live loaders' load_state_dict once it has built them)."""
+    fit = _fit_loop_state(checkpoint)
+    names = fit.get("combined_loader") if fit else None
+    if not names:
+        return
+    dp_rank, dp_size = _dp_position(strategy)
+    fit["combined_loader"] = [loadable_loader_state(state[name], dp_rank, dp_size) for name in names]
 
 def _is_bcp_checkpoint(path) -> bool:
     try:
