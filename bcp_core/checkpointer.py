@@ -18,7 +18,7 @@ import secrets
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -143,7 +143,6 @@ class Checkpointer:
         self.role = role
         self._plans: OrderedDict[str, CachedPlan] = OrderedDict()
         self._pool = StagingPool()
-        self._worker: ThreadPoolExecutor | None = None
         self._pending: deque[tuple[SaveHandle, _Job]] = deque()
         self._comms: dict = {}
         self.stats = {"plans": 0, "cache_hits": 0}
@@ -195,11 +194,31 @@ class Checkpointer:
             return SaveHandle(ckpt.root, future, rec)
         if plan is not None:
             rec.run(self._stage, job)
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"bcp-save-{self.role}")
-        handle = SaveHandle(ckpt.root, self._worker.submit(rec.run, self._run, comm, job, finish=True), rec)
+        handle = SaveHandle(ckpt.root, self._start(rec.run, self._run, comm, job, finish=True), rec)
         self._pending.append((handle, job))
         return handle
+
+    def _start(self, fn, *args, **kwargs) -> Future:
+        """Run fn in a background thread of its own, after the previous save of this role finished.
+
+        A thread per save rather than a long-lived worker: no bcp thread stays idle into the
+        interpreter's shutdown (see storage's note on I/O threads); a save still running at exit
+        is a non-daemon thread, so Python waits for it.
+        """
+        previous = self._pending[-1][0]._future if self._pending else None
+        future: Future = Future()
+
+        def run() -> None:
+            if previous is not None:
+                previous.exception()  # saves of a role run one after another, in order
+            future.set_running_or_notify_cancel()
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # noqa: BLE001 - handed to wait() and the next save
+                future.set_exception(e)
+
+        threading.Thread(target=run, name=f"bcp-save-{self.role}").start()
+        return future
 
     def wait_all(self) -> None:
         """Wait for every queued save; errors are left on the handles (and raised by the next save)."""

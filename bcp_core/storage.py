@@ -54,7 +54,7 @@ class StorageFileNotFoundError(StorageError, FileNotFoundError):
 class StorageConfig:
     """Process-wide I/O settings; change them with `configure_storage`."""
 
-    io_threads: int = min(16, max(4, os.cpu_count() or 4))  # shared pool for chunked reads and part uploads
+    io_threads: int = min(16, max(4, os.cpu_count() or 4))  # threads per chunked read/write
     chunk_bytes: int = 16 << 20        # ranged reads and local pwrite/pread are split into chunks this big
     part_bytes: int = 16 << 20         # object-store upload part (S3 needs >= 5 MiB for all but the last)
     max_inflight_parts: int = 4        # parts buffered per file being uploaded (bounds memory)
@@ -79,8 +79,6 @@ def configure_storage(**changes: Any) -> StorageConfig:
         if not isinstance(v, (int, float)) or v < lowest:
             raise ValueError(f"storage setting {k}={v!r} must be a number >= {lowest}")
         setattr(CONFIG, k, v)
-    if changes.get("io_threads") is not None:
-        _reset_pool()
     return CONFIG
 
 
@@ -95,44 +93,21 @@ def set_storage_options(scheme: str, **options: Any) -> None:
     _FS_OPTIONS[scheme.lower()] = dict(options)
 
 
-# ----------------------------------------------------------------------------- shared I/O pool
-
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def io_pool() -> ThreadPoolExecutor:
-    """Threads for chunk reads/writes and part uploads. Tasks on it never wait on other tasks on it."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(CONFIG.io_threads, thread_name_prefix="bcp-io")
-        return _POOL
-
-
-def _reset_pool() -> None:
-    global _POOL
-    old, _POOL = _POOL, None
-    if old is not None:
-        old.shutdown(wait=False)
-
-
-def _forget_pool_in_child() -> None:
-    # A forked child inherits the pool object but not its threads.
-    global _POOL, _POOL_LOCK
-    _POOL, _POOL_LOCK = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_pool_in_child)
-
+# ----------------------------------------------------------------------------- I/O threads
+#
+# Threads live only as long as the operation that needs them (one call of _run_all, one file being
+# uploaded). Idle threads left to the interpreter's shutdown were seen to make gloo's worker threads
+# abort the process at exit (a collective's teardown then runs while Python is finalizing).
 
 def _run_all(tasks: list[Callable[[], None]]) -> None:
-    """Run tasks on the I/O pool and wait for all; re-raise the first error after every task ended."""
+    """Run tasks on up to CONFIG.io_threads threads and wait for all; re-raise the first error after
+    every task ended."""
     if len(tasks) == 1:
         tasks[0]()
         return
-    futures = [io_pool().submit(t) for t in tasks]
-    errors = [f.exception() for f in futures]
+    with ThreadPoolExecutor(min(len(tasks), CONFIG.io_threads), thread_name_prefix="bcp-io") as pool:
+        futures = [pool.submit(t) for t in tasks]
+        errors = [f.exception() for f in futures]
     for e in errors:
         if e is not None:
             raise e
@@ -530,7 +505,7 @@ class MemoryStorage(LocalStorage):
 # ----------------------------------------------------------------------------- fsspec: writers
 
 class _PartUploader(FileWriter):
-    """Cuts the stream into parts of CONFIG.part_bytes and uploads them in parallel on the I/O pool.
+    """Cuts the stream into parts of CONFIG.part_bytes and uploads them in parallel, on threads of its own.
 
     At most CONFIG.max_inflight_parts parts are buffered per file, so memory stays bounded.
     A file smaller than one part is sent in one request. Subclasses say how a part is sent,
@@ -544,6 +519,7 @@ class _PartUploader(FileWriter):
         self.futures: list[Future] = []
         self.slots = threading.BoundedSemaphore(max(1, CONFIG.max_inflight_parts))
         self.failed: BaseException | None = None
+        self.pool: ThreadPoolExecutor | None = None  # started with the first part, ended by close/abort
 
     # -- to implement
     def _begin(self) -> None: ...
@@ -569,11 +545,12 @@ class _PartUploader(FileWriter):
     def _submit(self) -> None:
         if not self.futures:
             self._begin()
+            self.pool = ThreadPoolExecutor(max(1, CONFIG.max_inflight_parts), thread_name_prefix="bcp-upload")
         self.slots.acquire()  # wait for a free slot: bounds buffered parts
         index, data = len(self.futures), self.buf
         self.buf = bytearray()
         try:
-            self.futures.append(io_pool().submit(self._upload, index, data))
+            self.futures.append(self.pool.submit(self._upload, index, data))
         except BaseException:
             self.slots.release()
             raise
@@ -593,9 +570,12 @@ class _PartUploader(FileWriter):
             self._put_whole(bytes(self.buf))
             self.st._invalidate(self.path)
             return
-        if self.buf:
-            self._submit()
-        results = [f.result() for f in self.futures]  # raises the first failed part's error
+        try:
+            if self.buf:
+                self._submit()
+            results = [f.result() for f in self.futures]  # raises the first failed part's error
+        finally:
+            self.pool.shutdown(wait=True)
         with_retries("complete upload of", self.url, self._finish, results)
         self.st._invalidate(self.path)
 
@@ -605,6 +585,8 @@ class _PartUploader(FileWriter):
         for f in self.futures:
             if not f.cancelled():
                 f.exception()  # wait for parts in flight before discarding them
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
         if self.futures:
             try:
                 self._discard()

@@ -7,7 +7,6 @@ import threading
 from typing import Any
 
 import accelerate.accelerator as _acc_module
-import torch
 from accelerate import Accelerator
 
 import bcp_core as bcp
@@ -70,11 +69,6 @@ class BCPAccelerateCheckpointer:
         @functools.wraps(method)
         def call(*args, **kwargs):
             self.wait()  # before Accelerate tears the process group down
-            if torch.distributed.is_initialized():
-                # Lets gloo's threads finish with the last backward's collectives while the process
-                # is alive: one still being torn down at interpreter exit aborts the process
-                # ("terminate called without an active exception"), seen in ~1 of 8 CPU runs.
-                torch.distributed.barrier()
             return method(*args, **kwargs)
         return call
 
