@@ -36,7 +36,8 @@ _STEP_RE = re.compile(r"^step_(\d+)$")
 def save(path: str | os.PathLike, state: dict, framework: str = "auto", async_save: bool = False, *,
          step: int | None = None, role: str = "default", process_group=None, allow_pickle: bool = False,
          fsync: bool = True, num_threads: int = 4, user_metadata: dict | None = None,
-         on_commit: Callable[[str], None] | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> SaveHandle:
+         on_commit: Callable[[str], None] | None = None, snapshot: str = "copy",
+         timeout: timedelta = DEFAULT_TIMEOUT) -> SaveHandle:
     """Save `state` from every rank into the checkpoint at `path`. Collective: call on all ranks.
 
     With `step`, `path` is a root: the checkpoint goes to `path/step_<step>` and the root's `latest`
@@ -49,10 +50,17 @@ def save(path: str | os.PathLike, state: dict, framework: str = "auto", async_sa
     checkpoint is committed. Each `role` (e.g. "actor", "critic") has its own plan cache, staging
     buffers and queue. A second save whose structure is unchanged reuses the cached plan and
     performs no planning collective.
+
+    `snapshot="fork"` (async saves of CPU state to a local or memory:// path): a save that would
+    copy into staging buffers not yet allocated (the first of a structure) forks instead; the
+    child process keeps the state as of the call, copy-on-write, and writes it, while the staging
+    buffers are allocated in the background for the next save. The stall is the fork; pages that
+    training modifies before the child is done are copied by the kernel then (README, "Speed").
     """
     return get_checkpointer(role).save(
         path, state, framework, async_save, step=step, process_group=process_group, allow_pickle=allow_pickle,
-        fsync=fsync, num_threads=num_threads, user_metadata=user_metadata, on_commit=on_commit, timeout=timeout)
+        fsync=fsync, num_threads=num_threads, user_metadata=user_metadata, on_commit=on_commit,
+        snapshot=snapshot, timeout=timeout)
 
 
 # ----------------------------------------------------------------------------- resolve / inspect

@@ -13,13 +13,16 @@ commit; a cache miss first drains the queue.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
+import os
 import secrets
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 from datetime import timedelta
 
 import torch
@@ -33,7 +36,7 @@ from .metadata import (CHECKSUM_BLOCK_BYTES, METADATA_FILE, TRACKER_FILE, Checkp
                        dtype_name)
 from .planner import GlobalSavePlan, LocalSavePlan, digest, gc_paused, global_save_plan, local_save_plan
 from .state import resolve_framework, save_leaves
-from .storage import Storage, storage_for
+from .storage import LocalStorage, Storage, storage_for
 
 log = logging.getLogger("bcp")
 
@@ -93,6 +96,7 @@ class _Job:
     error: str | None = None                     # this rank's local planning error, sent to the coordinator
     recorder: metrics.Recorder | None = None     # this rank's phase timings
     slot: tuple | None = None                    # staging pool slot held until written
+    snapshot: ForkSnapshot | None = None         # snapshot='fork': the process holding the state
     staged: dict | None = None                   # (ti, bi) -> staged copy (async saves)
     staged_per_rank: list | None = None
 
@@ -130,6 +134,22 @@ class StagingPool:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for slot in self._slots if slot for b in slot)
 
+    def warm(self, key: str) -> bool:
+        with self._lock:
+            return key == self._key and any(slot is not None for slot in self._slots)
+
+    def warm_up(self, key: str, sources: list[torch.Tensor]) -> None:
+        """Allocate and touch one slot's buffers for `key` before a save needs them."""
+        buffers = [_host_buffer(s) for s in sources]
+        with torch.no_grad():
+            for b in buffers:
+                b.zero_()  # fault the pages in here, not in the next save's copy
+        with self._lock:
+            if key != self._key:
+                self._key, self._slots, self._busy = key, [None, None], [False, False]
+            if self._slots[0] is None and not self._busy[0]:
+                self._slots[0] = buffers
+
 
 def _host_buffer(src: torch.Tensor) -> torch.Tensor:
     pin = src.device.type == "cuda" and torch.cuda.is_available()
@@ -157,8 +177,10 @@ class Checkpointer:
     def save(self, path, state: dict, framework: str = "auto", async_save: bool = False, *,
              step: int | None = None, process_group=None, allow_pickle: bool = False, fsync: bool = True,
              num_threads: int = 4, user_metadata: dict | None = None,
-             on_commit: Callable[[str], None] | None = None,
+             on_commit: Callable[[str], None] | None = None, snapshot: str = "copy",
              timeout: timedelta = DEFAULT_TIMEOUT) -> SaveHandle:
+        if snapshot not in ("copy", "fork"):
+            raise ValueError(f"snapshot must be 'copy' or 'fork', got {snapshot!r}")
         self._raise_background_errors()
         root = storage_for(path, fsync=fsync)
         name = STEP_DIR.format(step) if step is not None else ""
@@ -193,7 +215,10 @@ class Checkpointer:
                 raise
             return SaveHandle(ckpt.root, future, rec)
         if plan is not None:
-            rec.run(self._stage, job)
+            if snapshot == "fork" and self._pool_is_cold(job):
+                rec.run(self._fork, job)
+            else:
+                rec.run(self._stage, job)
         handle = SaveHandle(ckpt.root, self._start(rec.run, self._run, comm, job, finish=True), rec)
         self._pending.append((handle, job))
         return handle
@@ -307,13 +332,43 @@ class Checkpointer:
         job.staged_per_rank = [(fqn, t.to("cpu", copy=True)) for fqn, t in plan.per_rank_tensors]
         job.slot = (pool_key, slot)
 
+    def _pool_is_cold(self, job: _Job) -> bool:
+        """No warm staging buffers for this plan yet: a copy would fault in fresh memory."""
+        return job.cached is None or not self._pool.warm(f"{job.plan.key}:assigned")
+
+    @metrics.timed("snapshot")
+    def _fork(self, job: _Job) -> None:
+        """Snapshot by forking: the child process keeps the state as of now (copy-on-write) and
+        writes this rank's pieces from it, so the stall is the fork, not a copy into fresh memory.
+
+        Used for a save that would otherwise copy into cold buffers (the first of a structure);
+        meanwhile the background thread warms the staging buffers, so later saves copy into
+        touched memory. Needs CPU tensors and a POSIX or memory:// checkpoint path: the child
+        uses no accelerator and no network client.
+        """
+        reason = _fork_unsupported(job)
+        if reason is not None:
+            log.info("bcp: snapshot='fork' not possible here (%s); copying instead", reason)
+            return self._stage(job)
+        while sum(1 for _, j in self._pending if j.snapshot is not None and not j.snapshot.closed) >= 2:
+            self._pending[0][0]._future.exception()  # at most two snapshots held, as with staging
+            self._raise_background_errors()
+        job.snapshot = ForkSnapshot.start(job)
+
     def _run(self, comm: Comm, job: _Job) -> str:
         """Plan if no cached plan fits, then write and commit."""
         try:
             if job.cached is None:
                 job.cached = self._plan(comm, job.ckpt, job.plan, job.error)
             assignment = job.cached.assignment
-            if job.staged is None:  # synchronous save: write straight from the live tensors
+            if job.snapshot is not None:
+                job.snapshot.send(assignment, f"{self._token}-{job.number}-", comm.rank)
+                # touch the staging buffers of the next save now, off the training thread
+                self._pool.warm_up(f"{job.plan.key}:assigned",
+                                   [job.plan.tensors[ti][1].boxes[bi].view for ti, bi in assignment["write"]])
+            if job.snapshot is not None:
+                job.items = None  # the forked process builds them from its copy of the state
+            elif job.staged is None:  # synchronous save: write straight from the live tensors
                 job.items = _items(job.plan, assignment, None)
             else:
                 job.items = _items(job.plan, assignment, [job.staged[tuple(tb)] for tb in assignment["write"]],
@@ -324,25 +379,19 @@ class Checkpointer:
         return self._finish(comm, job)
 
     def _release(self, job: _Job) -> None:
+        if job.snapshot is not None:
+            job.snapshot.close()
         if job.slot is not None:
             self._pool.release(*job.slot)
             job.slot = None
 
     def _finish(self, comm: Comm, job: _Job) -> str:
         """Write this rank's pieces, then commit on the coordinator once every rank reported."""
-        plan = job.plan
         try:
-            written = write_items(job.ckpt, comm.rank, job.items, job.num_threads, CHECKSUM_BLOCK_BYTES,
-                                  prefix=f"{self._token}-{job.number}-")
-            per_rank = dict(plan.values["per_rank"])
-            for it in job.items:
-                if it.key[0] == "v":
-                    per_rank[it.key[1]] = [dtype_name(it.tensor.dtype), list(it.tensor.shape),
-                                           _tensor_digest(it.tensor)]
-            report = {"kind": "report", "key": plan.key, "objects": plan.values["objects"], "per_rank": per_rank,
-                      "shard_digests": plan.values["shard_digests"],
-                      "object_digests": plan.values["object_digests"],
-                      "pieces": [[w.key, w.file, w.byte_offset, w.nbytes, w.checksums] for w in written]}
+            if job.snapshot is not None:  # a forked process holds the snapshot and writes it
+                report = job.snapshot.result()
+            else:
+                report = _write_report(job, comm.rank, f"{self._token}-{job.number}-")
         except Exception as e:  # noqa: BLE001 - reported to the coordinator
             report = {"kind": "report", "error": f"rank {comm.rank}: {type(e).__name__}: {e}"}
         finally:
@@ -421,6 +470,165 @@ def _per_rank_replies(reply: dict, world_size: int) -> list[dict]:
 def _contiguous_cpu(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     return (t.to("cpu") if t.device.type != "cpu" else t).contiguous()
+
+
+def _write_report(job: _Job, rank: int, prefix: str) -> dict:
+    """Write this rank's items; the report the coordinator commits from (errors included)."""
+    plan = job.plan
+    try:
+        written = write_items(job.ckpt, rank, job.items, job.num_threads, CHECKSUM_BLOCK_BYTES, prefix=prefix)
+        per_rank = dict(plan.values["per_rank"])
+        for it in job.items:
+            if it.key[0] == "v":
+                per_rank[it.key[1]] = [dtype_name(it.tensor.dtype), list(it.tensor.shape), _tensor_digest(it.tensor)]
+        return {"kind": "report", "key": plan.key, "objects": plan.values["objects"], "per_rank": per_rank,
+                "shard_digests": plan.values["shard_digests"], "object_digests": plan.values["object_digests"],
+                "pieces": [[w.key, w.file, w.byte_offset, w.nbytes, w.checksums] for w in written]}
+    except Exception as e:  # noqa: BLE001 - reported to the coordinator
+        return {"kind": "report", "error": f"rank {rank}: {type(e).__name__}: {e}"}
+
+
+# ----------------------------------------------------------------------------- fork snapshots
+
+class ForkSnapshot:
+    """A forked process that holds this rank's state as of the save call and writes it.
+
+    Fork gives the child the parent's memory copy-on-write: the state is frozen for the child at
+    the cost of the fork, and pages the training process modifies afterwards are copied by the
+    kernel, one at a time, while the child lives (so a step that follows before the write ends
+    pays for them). The child gets the plan's assignment as JSON on one pipe, writes its pieces
+    with the ordinary engine and answers the report as JSON on another; it touches no accelerator,
+    lock or network client of the parent and leaves with os._exit.
+    """
+
+    def __init__(self, pid: int, to_child: int, from_child: int):
+        self.pid: int | None = pid
+        self._to: int | None = to_child
+        self._from: int | None = from_child
+        self.closed = False
+
+    @classmethod
+    def start(cls, job: _Job) -> ForkSnapshot:
+        r_in, w_in = os.pipe()
+        r_out, w_out = os.pipe()
+        with _SNAPSHOT_FDS_LOCK:
+            pid = os.fork()
+            if pid == 0:  # the child: never returns
+                code = 1
+                try:
+                    # pipes of other snapshots in flight: this process must not hold them open
+                    for fd in [w_in, r_out, *_SNAPSHOT_FDS]:
+                        os.close(fd)
+                    _snapshot_child(job, r_in, w_out)
+                    code = 0
+                finally:
+                    os._exit(code)
+            _SNAPSHOT_FDS.update((w_in, r_out))
+        os.close(r_in)
+        os.close(w_out)
+        return cls(pid, w_in, r_out)
+
+    def send(self, assignment: dict, prefix: str, rank: int) -> None:
+        try:
+            _send_msg(self._to, {"assignment": assignment, "prefix": prefix, "rank": rank})
+        except BrokenPipeError:
+            pass  # the child is gone: result() reports how it ended, through the commit like any error
+
+    def result(self) -> dict:
+        """The child's report, once it has written everything; its phases join this save's metrics."""
+        msg = _recv_msg(self._from)
+        status = self._reap()
+        if msg is None:
+            raise SaveError(f"the snapshot process ended without writing its pieces ({_exit_reason(status)})")
+        rec = metrics.current()
+        for r in msg.pop("metrics", []):
+            for i, (t0, t1) in enumerate(r.get("intervals") or [[r["start"], r["end"]]]):
+                if rec is not None:
+                    rec.add(r["phase"], t0, t1, r["bytes"] if i == 0 else 0)
+        return msg
+
+    def close(self) -> None:
+        """Release the child: a child not told what to write reads end-of-file and leaves."""
+        if self.closed:
+            return
+        self.closed = True
+        with _SNAPSHOT_FDS_LOCK:
+            for fd in (self._to, self._from):
+                _SNAPSHOT_FDS.discard(fd)
+                os.close(fd)
+        self._reap()
+
+    def _reap(self) -> int:
+        pid, self.pid = self.pid, None
+        return os.waitpid(pid, 0)[1] if pid is not None else 0
+
+
+def _snapshot_child(job: _Job, r_in: int, w_out: int) -> None:
+    torch.set_num_threads(1)  # an OpenMP team does not survive fork: keep torch from starting one
+    msg = _recv_msg(r_in)
+    if msg is None:
+        return  # the save ended before planning succeeded: nothing to write
+    rec = metrics.Recorder("save", msg["rank"])
+
+    def write() -> dict:
+        job.items = _items(job.plan, msg["assignment"], None)  # from this process's copy of the state
+        return _write_report(job, msg["rank"], msg["prefix"])
+
+    report = rec.run(write)
+    report["metrics"] = rec.records()
+    _send_msg(w_out, report)
+
+
+def _fork_unsupported(job: _Job) -> str | None:
+    """Why this save cannot be snapshot by fork, or None."""
+    if not hasattr(os, "fork"):
+        return "no os.fork on this platform"
+    if not isinstance(job.ckpt, LocalStorage):
+        return f"{job.ckpt.root} is not a local or memory:// path (network clients do not survive a fork)"
+    tensors = [lt.boxes[0].view for _, lt in job.plan.tensors if lt.boxes] + [t for _, t in job.plan.per_rank_tensors]
+    if any(t.device.type != "cpu" for t in tensors):
+        return "the state holds accelerator tensors"
+    return None
+
+
+# Both ends of every snapshot pipe the parent holds: a child forked later closes them, so that each
+# pipe has exactly one writer and one reader.
+_SNAPSHOT_FDS: set[int] = set()
+_SNAPSHOT_FDS_LOCK = threading.Lock()
+
+
+def _send_msg(fd: int, obj: Any) -> None:
+    """A JSON message, 8-byte length first (readers never wait for an end-of-file)."""
+    data = json.dumps(obj).encode()
+    view = memoryview(len(data).to_bytes(8, "little") + data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _recv_msg(fd: int) -> Any:
+    """The next message, or None when the other side closed first (or died)."""
+    head = _read_exactly(fd, 8)
+    if head is None:
+        return None
+    body = _read_exactly(fd, int.from_bytes(head, "little"))
+    return None if body is None else json.loads(body)
+
+
+def _read_exactly(fd: int, n: int) -> bytes | None:
+    chunks, left = [], n
+    while left:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _exit_reason(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"killed by signal {os.WTERMSIG(status)}"
+    return f"exit status {os.WEXITSTATUS(status)}"
 
 
 def _tensor_digest(t: torch.Tensor) -> str:

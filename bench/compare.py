@@ -11,6 +11,8 @@ the slowest rank (wall time between barriers):
 - save stall (time until training may continue) of an asynchronous save, first and steady
   state: bcp `save(async_save=True)`, DCP `async_save` as shipped, and DCP `async_save` with a
   cached staging stager (its best configuration on CPU);
+- bcp's first save with `snapshot="fork"` (copy-on-write) next to the copying one: the stall, and
+  the time of an in-place update of every shard right after the call (where the fork's cost goes);
 - end-to-end save (durable): bcp `save` and DCP `save`, alternated three times (best of 3);
 - load into the same layout and into a different one (Shard(1)): bcp `load`, DCP `load`;
 - peak RSS of each system's run (separate processes).
@@ -134,6 +136,29 @@ def _bcp(gib, root):
     stalls = [_stall_then_wait(lambda k=k: bcp.save(path, state, step=k, async_save=True, role="bench").wait)
               for k in range(3)]
     out["stall_first_s"], out["stall_steady_s"] = stalls[0], min(stalls[1:])
+    # snapshot="fork": the first save forks (copy-on-write) instead of copying into fresh memory.
+    # The next "optimizer step" (an in-place update of every local shard) right after the call
+    # shows where the cost went: while the child writes, the kernel copies each page it touches.
+    fork_state = _state(gib, "shard0")
+    locals_ = [t.to_local() for t in fork_state.values()]
+    for mode in ("copy", "fork"):
+        _settle()
+        t = time.perf_counter()
+        handle = bcp.save(os.path.join(root, f"bcp_{mode}"), fork_state, step=0, async_save=True,
+                          role=f"bench-{mode}", snapshot=mode)
+        stall = time.perf_counter() - t
+        t = time.perf_counter()
+        for x in locals_:
+            x.add_(1.0)
+        step = time.perf_counter() - t
+        handle.wait()
+        dist.barrier()
+        out[f"{mode}_first_stall_s"], out[f"{mode}_first_step_after_s"] = _max(stall), _max(step)
+        if mode == "fork":
+            stalls = [_stall_then_wait(lambda k=k: bcp.save(os.path.join(root, "bcp_fork"), fork_state, step=k,
+                                                            async_save=True, role="bench-fork",
+                                                            snapshot="fork").wait) for k in range(1, 3)]
+            out["fork_steady_stall_s"] = min(stalls)
     bcp.save(os.path.join(root, "bcp_sync"), state, step=0, role="bench-sync").wait()
     target = _state(gib, "shard0")
     out["load_s"] = min(_timed(lambda: bcp.load(os.path.join(root, "bcp_sync"), target)) for _ in range(2))
@@ -250,6 +275,9 @@ def main():
             "stall_steady_bcp_over_dcp_best": bcp_r["stall_steady_s"] / dcp_r["best_stall_steady_s"],
             "stall_first_bcp_over_dcp": bcp_r["stall_first_s"] / dcp_r["stall_first_s"],
             "stall_first_bcp_over_dcp_best": bcp_r["stall_first_s"] / dcp_r["best_stall_first_s"],
+            "stall_first_fork_over_dcp": bcp_r["fork_first_stall_s"] / dcp_r["stall_first_s"],
+            "stall_plus_next_step_fork_over_copy": (bcp_r["fork_first_stall_s"] + bcp_r["fork_first_step_after_s"])
+            / (bcp_r["copy_first_stall_s"] + bcp_r["copy_first_step_after_s"]),
             "save_bw_bcp_over_disk": floors["disk_write_s"] / e2e["bcp_save_s"],
             "save_speedup_vs_dcp": e2e["dcp_save_s"] / e2e["bcp_save_s"],
             "load_speedup_vs_dcp": dcp_r["load_s"] / bcp_r["load_s"],

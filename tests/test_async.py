@@ -121,3 +121,64 @@ def test_roles_are_independent(tmp_path):
     assert torch.equal(out["w"], torch.ones(1000))
     with pytest.raises(bcp.BCPError, match="role must be a non-empty string"):
         bcp.save(str(tmp_path / "x"), actor, role="")
+
+
+def _fork_scenarios(rank, world_size, root):
+    out = {}
+    model, optim = build("fsdp2")
+    train(model, optim, range(1))
+    cp = ckp.get_checkpointer("fork-test")
+    # Saves of one structure: the first forks (cold staging buffers), the next ones copy into the
+    # buffers the first one warmed in the background. Training mutates right after every call.
+    snapshots, handles = [], []
+    for k in range(3):
+        snapshots.append(copy.deepcopy(full_state(model, optim)))
+        handles.append(bcp.save(os.path.join(root, "f"), {"model": model, "optimizer": optim}, step=k,
+                                async_save=True, role="fork-test", snapshot="fork"))
+        out.setdefault("forked", []).append(any(r["phase"] == "snapshot" for r in handles[-1]._recorder.records()))
+        train(model, optim, range(k + 1, k + 2))
+        handles[-1].wait()  # the next save finds the warmed buffers
+    for k, h in enumerate(handles):
+        fresh, fresh_opt = build("fsdp2", seed=99)
+        bcp.load(h.path, {"model": fresh, "optimizer": fresh_opt})
+        loaded = full_state(fresh, fresh_opt)  # collective
+        if rank == 0:
+            assert_same(snapshots[k], loaded, f"fork-snapshot save {k}")
+    phases = {r["phase"] for r in handles[0].metrics}
+    out["child_phases"] = sorted(phases & {"write", "checksum", "fsync"})
+    out["pool_bytes"] = cp._pool.nbytes()
+
+    # A snapshot process that dies: the save fails on every rank, nothing is committed, and the
+    # next save goes through.
+    import signal
+
+    import bcp_core.checkpointer as mod
+    real = mod._snapshot_child
+
+    def dying(job, r_in, w_out):
+        if job.ckpt.root.endswith("step_00000001") and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(job, r_in, w_out)
+    mod._snapshot_child = dying
+    try:
+        h = bcp.save(os.path.join(root, "g"), {"model": model, "extra": {"n": 1}}, step=1, async_save=True,
+                     role="fork-test", snapshot="fork")
+        with pytest.raises(bcp.SaveError, match="rank 1: SaveError: the snapshot process ended without writing its "
+                                                "pieces \\(killed by signal 9\\)"):
+            h.wait()
+    finally:
+        mod._snapshot_child = real
+    assert not os.path.exists(os.path.join(root, "g", "step_00000001", "bcp_metadata.json"))
+    bcp.save(os.path.join(root, "g"), {"model": model, "extra": {"n": 2}}, step=2, async_save=True,
+             role="fork-test", snapshot="fork").wait()
+    return out
+
+
+def test_fork_snapshot_holds_the_values_of_the_call(tmp_path):
+    results = run_ranks(2, _fork_scenarios, str(tmp_path))
+    for r in results:
+        assert r["forked"] == [True, False, False]  # then the warmed staging buffers
+        assert r["child_phases"] == ["checksum", "fsync", "write"]  # the child's phases are reported
+        assert r["pool_bytes"] > 0
+    with pytest.raises(ValueError, match="snapshot must be 'copy' or 'fork'"):
+        bcp.save(str(tmp_path / "x"), {"w": torch.ones(2)}, async_save=True, snapshot="cow")
