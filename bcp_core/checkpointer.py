@@ -361,13 +361,11 @@ class Checkpointer:
             if job.cached is None:
                 job.cached = self._plan(comm, job.ckpt, job.plan, job.error)
             assignment = job.cached.assignment
-            if job.snapshot is not None:
+            if job.snapshot is not None:  # the forked process builds the items from its copy of the state
                 job.snapshot.send(assignment, f"{self._token}-{job.number}-", comm.rank)
                 # touch the staging buffers of the next save now, off the training thread
                 self._pool.warm_up(f"{job.plan.key}:assigned",
                                    [job.plan.tensors[ti][1].boxes[bi].view for ti, bi in assignment["write"]])
-            if job.snapshot is not None:
-                job.items = None  # the forked process builds them from its copy of the state
             elif job.staged is None:  # synchronous save: write straight from the live tensors
                 job.items = _items(job.plan, assignment, None)
             else:
