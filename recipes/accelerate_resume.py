@@ -19,7 +19,7 @@ import os
 import sys
 import tempfile
 
-from _launch import relaunch  # recipes/_launch.py
+from _launch import exit_without_teardown, relaunch  # recipes/_launch.py
 
 import torch
 import torch.nn.functional as F
@@ -178,3 +178,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

@@ -20,7 +20,7 @@ import os
 import sys
 import tempfile
 
-from _launch import relaunch  # recipes/_launch.py
+from _launch import exit_without_teardown, relaunch  # recipes/_launch.py
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -170,3 +170,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

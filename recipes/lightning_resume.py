@@ -18,7 +18,7 @@ import os
 import sys
 import tempfile
 
-from _launch import relaunch  # recipes/_launch.py
+from _launch import exit_without_teardown, relaunch  # recipes/_launch.py
 
 import lightning as L
 import torch
@@ -224,3 +224,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

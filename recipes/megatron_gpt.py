@@ -20,6 +20,8 @@ import argparse
 import os
 import tempfile
 
+from _launch import exit_without_teardown  # recipes/_launch.py
+
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
@@ -135,3 +137,4 @@ def main() -> None:
 
 if __name__ == "__main__":  # required: Megatron and bcp start helper processes that re-import __main__
     main()
+    exit_without_teardown()

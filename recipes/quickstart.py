@@ -17,6 +17,8 @@ import copy
 import os
 import tempfile
 
+from _launch import exit_without_teardown  # recipes/_launch.py
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -159,3 +161,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()
