@@ -1,13 +1,13 @@
 """The save pipeline: plan (cached) -> stage -> write -> commit, synchronous or in the background.
 
 One `Checkpointer` per role (e.g. actor / critic / reference in RL post-training) owns its plan
-cache, staging pool, background worker and gloo group, so several can live in one process.
+cache, staging pool, save queue and store-based comms, so several can live in one process.
 
 Ordering rule that keeps ranks in lock-step without extra barriers: every collective of a role
-runs either on the caller's thread while nothing is in flight (planning), or on the role's single
-background worker in submission order (commits). A cache hit needs no planning collective, so an
-asynchronous save of an unchanged structure only copies into a staging buffer and queues its
-commit; a cache miss first drains the queue.
+runs either on the caller's thread while nothing is in flight (planning), or on the role's
+background save threads, which run one at a time in submission order (commits). A cache hit
+needs no planning collective, so an asynchronous save of an unchanged structure only copies into
+a staging buffer and queues its commit; a cache miss first drains the queue.
 """
 
 from __future__ import annotations
