@@ -215,7 +215,7 @@ class Checkpointer:
                 raise
             return SaveHandle(ckpt.root, future, rec)
         if plan is not None:
-            if snapshot == "fork" and self._pool_is_cold(job):
+            if snapshot == "fork" and self._pool_is_cold(job) and _can_fork(job):
                 rec.run(self._fork, job)
             else:
                 rec.run(self._stage, job)
@@ -346,10 +346,6 @@ class Checkpointer:
         touched memory. Needs CPU tensors and a POSIX or memory:// checkpoint path: the child
         uses no accelerator and no network client.
         """
-        reason = _fork_unsupported(job)
-        if reason is not None:
-            log.info("bcp: snapshot='fork' not possible here (%s); copying instead", reason)
-            return self._stage(job)
         while sum(1 for _, j in self._pending if j.snapshot is not None and not j.snapshot.closed) >= 2:
             self._pending[0][0]._future.exception()  # at most two snapshots held, as with staging
             self._raise_background_errors()
@@ -538,11 +534,10 @@ class ForkSnapshot:
         status = self._reap()
         if msg is None:
             raise SaveError(f"the snapshot process ended without writing its pieces ({_exit_reason(status)})")
-        rec = metrics.current()
-        for r in msg.pop("metrics", []):
+        records, rec = msg.pop("metrics", []), metrics.current()
+        for r in records if rec is not None else []:
             for i, (t0, t1) in enumerate(r.get("intervals") or [[r["start"], r["end"]]]):
-                if rec is not None:
-                    rec.add(r["phase"], t0, t1, r["bytes"] if i == 0 else 0)
+                rec.add(r["phase"], t0, t1, r["bytes"] if i == 0 else 0)
         return msg
 
     def close(self) -> None:
@@ -577,16 +572,19 @@ def _snapshot_child(job: _Job, r_in: int, w_out: int) -> None:
     _send_msg(w_out, report)
 
 
-def _fork_unsupported(job: _Job) -> str | None:
-    """Why this save cannot be snapshot by fork, or None."""
-    if not hasattr(os, "fork"):
-        return "no os.fork on this platform"
-    if not isinstance(job.ckpt, LocalStorage):
-        return f"{job.ckpt.root} is not a local or memory:// path (network clients do not survive a fork)"
+def _can_fork(job: _Job) -> bool:
+    """Whether this save can be snapshot by fork; if not, say why (the save copies instead)."""
     tensors = [lt.boxes[0].view for _, lt in job.plan.tensors if lt.boxes] + [t for _, t in job.plan.per_rank_tensors]
-    if any(t.device.type != "cpu" for t in tensors):
-        return "the state holds accelerator tensors"
-    return None
+    if not hasattr(os, "fork"):
+        reason = "no os.fork on this platform"
+    elif not isinstance(job.ckpt, LocalStorage):
+        reason = f"{job.ckpt.root} is not a local or memory:// path (network clients do not survive a fork)"
+    elif any(t.device.type != "cpu" for t in tensors):
+        reason = "the state holds accelerator tensors"
+    else:
+        return True
+    log.info("bcp: snapshot='fork' not possible here (%s); copying instead", reason)
+    return False
 
 
 # Both ends of every snapshot pipe the parent holds: a child forked later closes them, so that each

@@ -15,6 +15,17 @@ from dist import run_ranks
 from layouts import assert_same, build, full_state, train
 
 
+def _assert_each_holds_its_call(handles, snapshots, rank, what):
+    """Each checkpoint holds the state as of its own save call (compared on rank 0; collective)."""
+    for k, h in enumerate(handles):
+        h.wait()
+        fresh, fresh_opt = build("fsdp2", seed=99)
+        bcp.load(h.path, {"model": fresh, "optimizer": fresh_opt})
+        loaded = full_state(fresh, fresh_opt)
+        if rank == 0:
+            assert_same(snapshots[k], loaded, f"{what} {k}")
+
+
 def _async_scenarios(rank, world_size, root):
     out = {}
     model, optim = build("fsdp2")
@@ -29,13 +40,7 @@ def _async_scenarios(rank, world_size, root):
         handles.append(bcp.save(os.path.join(root, "a"), {"model": model, "optimizer": optim}, step=k,
                                 async_save=True, role="async-test"))
         train(model, optim, range(k + 1, k + 2))  # mutates in place while the save writes
-    for k, h in enumerate(handles):
-        h.wait()
-        fresh, fresh_opt = build("fsdp2", seed=99)
-        bcp.load(h.path, {"model": fresh, "optimizer": fresh_opt})
-        loaded = full_state(fresh, fresh_opt)
-        if rank == 0:
-            assert_same(snapshots[k], loaded, f"async save {k}")
+    _assert_each_holds_its_call(handles, snapshots, rank, "async save")
 
     # 2. Plan cache: the first save planned, the next two reused it with no planning collective.
     out["plans"] = cp.stats["plans"]
@@ -135,15 +140,10 @@ def _fork_scenarios(rank, world_size, root):
         snapshots.append(copy.deepcopy(full_state(model, optim)))
         handles.append(bcp.save(os.path.join(root, "f"), {"model": model, "optimizer": optim}, step=k,
                                 async_save=True, role="fork-test", snapshot="fork"))
-        out.setdefault("forked", []).append(any(r["phase"] == "snapshot" for r in handles[-1]._recorder.records()))
         train(model, optim, range(k + 1, k + 2))
         handles[-1].wait()  # the next save finds the warmed buffers
-    for k, h in enumerate(handles):
-        fresh, fresh_opt = build("fsdp2", seed=99)
-        bcp.load(h.path, {"model": fresh, "optimizer": fresh_opt})
-        loaded = full_state(fresh, fresh_opt)  # collective
-        if rank == 0:
-            assert_same(snapshots[k], loaded, f"fork-snapshot save {k}")
+        out.setdefault("forked", []).append(any(r["phase"] == "snapshot" for r in handles[-1].metrics))
+    _assert_each_holds_its_call(handles, snapshots, rank, "fork-snapshot save")
     phases = {r["phase"] for r in handles[0].metrics}
     out["child_phases"] = sorted(phases & {"write", "checksum", "fsync"})
     out["pool_bytes"] = cp._pool.nbytes()

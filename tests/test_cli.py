@@ -177,6 +177,13 @@ def test_inspect_verify_ls_never_unpickle(tmp_path, monkeypatch, capsys):
     assert _bcp("ls", root) == 0 and _bcp("latest", root) == 0
 
 
+def _flip(path, offset: int, mask: int) -> None:
+    """XOR one byte of a file in place."""
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= mask
+    path.write_bytes(bytes(raw))
+
+
 def test_verify_reports_each_fault(tmp_path, capsys):
     model, optim = _small_state()
     ckpt = tmp_path / "ckpt"
@@ -187,16 +194,14 @@ def test_verify_reports_each_fault(tmp_path, capsys):
     md = bcp.inspect(str(ckpt))
     piece = md.tensors["model.0.weight"].pieces[0]
     data = ckpt / md.files[piece.file]
-    raw = bytearray(data.read_bytes())
-    raw[piece.byte_offset + 100] ^= 0xFF
-    data.write_bytes(bytes(raw))
+    _flip(data, piece.byte_offset + 100, 0xFF)
     assert _bcp("verify", str(ckpt), "--json") == 1
     rep = json.loads(capsys.readouterr().out)
     assert not rep["ok"]
     [fault] = rep["faults"]
     assert fault["kind"] == "checksum" and "model.0.weight" in fault["where"] and md.files[piece.file] in fault["where"]
 
-    data.write_bytes(bytes(raw[: piece.byte_offset + 10]))  # truncated upload
+    data.write_bytes(data.read_bytes()[: piece.byte_offset + 10])  # truncated upload
     assert _bcp("verify", str(ckpt)) == 1
     assert "short-file" in capsys.readouterr().out
     data.unlink()
@@ -306,10 +311,7 @@ def test_verify_checks_sharded_values(tmp_path, capsys):
     assert "dataloader.buf: grid (2,), 1 shard(s)" in capsys.readouterr().out
     md = bcp.inspect(str(ckpt))
     shard = md.sharded_objects["dataloader.buf"].shards[0]
-    data = ckpt / md.files[shard.file]
-    raw = bytearray(data.read_bytes())
-    raw[shard.byte_offset + 5] ^= 0x01
-    data.write_bytes(bytes(raw))
+    _flip(ckpt / md.files[shard.file], shard.byte_offset + 5, 0x01)
     assert _bcp("verify", str(ckpt)) == 1
     out = capsys.readouterr().out
     assert "FAULT [checksum]" in out and "sharded value 'dataloader.buf' index [0]" in out
