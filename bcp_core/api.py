@@ -124,9 +124,11 @@ def load(path: str | os.PathLike, state: dict, framework: str = "auto", strict: 
     Works at any world size and sharding: each rank reads the parts of the saved pieces that
     overlap what it holds. Does not need a process group.
 
-    `share_reads`: read each byte range once across the job and pass it to the other ranks that
-    need it (collective). Default (None): on for remote storage or multi-node jobs, where storage
-    bandwidth is the bottleneck; off on one node, where the page cache is faster than a transfer.
+    `share_reads`: the group's ranks split the work they would repeat (collective: every rank of
+    the group calls load). From remote storage or across hosts, each byte range is read once and
+    passed to the other ranks that need it; on one host reading local files, each checksum block
+    is verified by one rank only. Default (None): on for remote storage or multi-node jobs; off on
+    one node, so that a subset of the ranks may load on its own.
     """
     st = resolve(path)
     md = read_metadata(st)
@@ -187,10 +189,8 @@ def load(path: str | os.PathLike, state: dict, framework: str = "auto", strict: 
             else:
                 items.extend(read_items(fqn, tm, target.tensor))
     if share_reads or (share_reads is None and worth_sharing(st, process_group)):
-        comm = _load_comm(process_group, timeout)
-        with metrics.phase("transfer"):  # the whole exchange; its own reads and copies are recorded too
-            read_all_shared(st, md.files, md.checksum_block_bytes, items, verify_checksums, num_threads,
-                            process_group, comm)
+        read_all_shared(st, md.files, md.checksum_block_bytes, items, verify_checksums, num_threads,
+                        process_group, _load_comm(process_group, timeout))
     else:
         read_all(st, md.files, md.checksum_block_bytes, items, verify_checksums, num_threads)
     for target, t in late:

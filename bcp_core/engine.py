@@ -10,7 +10,7 @@ import json
 import math
 import threading
 import warnings
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -150,26 +150,30 @@ def _contiguous_strides(lengths: tuple[int, ...]) -> list[int]:
 
 
 def verify_blocks(data: memoryview, start: int, nbytes: int, sums: tuple[int, ...], block: int,
-                  file: str, byte_offset: int, what: str) -> None:
+                  file: str, byte_offset: int, what: str, skip: Container[tuple[str, int]] = ()) -> None:
     """Check the checksum of each whole block of a piece contained in `data`.
 
     `data` holds the piece's bytes from piece offset `start` on; the piece has `nbytes` bytes and
-    starts at `byte_offset` in `file`.
+    starts at `byte_offset` in `file`. Blocks named in `skip` as (file, file offset of the block)
+    are left to another rank that verifies them (shared_reads).
     """
     for b in range(start // block, num_blocks(nbytes, block)):
         lo, hi = b * block - start, min((b + 1) * block, nbytes) - start
         if hi > len(data):
             break
+        if skip and (file, byte_offset + b * block) in skip:
+            continue
         if checksum(data[lo:hi]) != sums[b]:
             raise ChecksumError(f"checksum mismatch in {file} bytes [{byte_offset + b * block}, "
                                 f"{byte_offset + b * block + hi - lo}) of {what}: the data file is corrupted")
 
 
 @metrics.timed("checksum", nbytes=lambda _, data, *a: len(data))
-def _verify(data: memoryview, start: int, item: ReadItem, file: str, block: int) -> None:
+def _verify(data: memoryview, start: int, item: ReadItem, file: str, block: int,
+            skip: Container[tuple[str, int]] = ()) -> None:
     p = item.piece
     verify_blocks(data, start, p.nbytes, p.checksums, block, file, p.byte_offset,
-                  f"tensor {item.fqn!r} (piece offsets {list(p.offsets)} lengths {list(p.lengths)})")
+                  f"tensor {item.fqn!r} (piece offsets {list(p.offsets)} lengths {list(p.lengths)})", skip)
 
 
 def read_verified(storage: Storage, file: str, byte_offset: int, nbytes: int, sums: tuple[int, ...],
@@ -202,11 +206,11 @@ def item_span(item: ReadItem, block: int, verify: bool) -> tuple[int, int]:
 
 
 def copy_from_span(item: ReadItem, buf: torch.Tensor, span_lo: int, files: tuple[str, ...], block: int,
-                   verify: bool) -> None:
+                   verify: bool, skip: Container[tuple[str, int]] = ()) -> None:
     """Verify `buf` (piece bytes from `span_lo`) and copy the item's elements into its destination."""
     p = item.piece
     if verify:
-        _verify(tensor_bytes(buf), span_lo, item, files[p.file], block)
+        _verify(tensor_bytes(buf), span_lo, item, files[p.file], block, skip)
     esize = item.dest.element_size()
     strides = _contiguous_strides(p.lengths)
     rel = [o - po for o, po in zip(item.offsets, p.offsets)]
@@ -261,7 +265,8 @@ def read_span(storage: Storage, files: tuple[str, ...], item: ReadItem, lo: int,
 
 
 def read_item(storage: Storage, files: tuple[str, ...], block: int, item: ReadItem, verify: bool,
-              maps: FileMaps | None = None) -> None:
+              maps: FileMaps | None = None, skip: Container[tuple[str, int]] = ()) -> None:
+    """Fill `item.dest` from storage, verifying every block read except those in `skip`."""
     p = item.piece
     if math.prod(item.lengths) == 0:
         return
@@ -277,21 +282,22 @@ def read_item(storage: Storage, files: tuple[str, ...], block: int, item: ReadIt
             raise StorageError(f"reading {files[p.file]} bytes [{p.byte_offset}, {p.byte_offset + p.nbytes}) "
                                f"for tensor {item.fqn!r} failed: {e}") from e
         if verify:
-            _verify(out, 0, item, files[p.file], block)
+            _verify(out, 0, item, files[p.file], block, skip)
         return
-    copy_from_span(item, read_span(storage, files, item, lo, hi, maps), lo, files, block, verify)
+    copy_from_span(item, read_span(storage, files, item, lo, hi, maps), lo, files, block, verify, skip)
 
 
 def read_all(storage: Storage, files: tuple[str, ...], block: int, items: Iterable[ReadItem],
-             verify: bool, num_threads: int) -> None:
+             verify: bool, num_threads: int, skip: Container[tuple[str, int]] = ()) -> None:
     items = list(items)
     if not items:
         return
     maps = FileMaps(storage)
     if num_threads <= 1 or len(items) == 1:
         for it in items:
-            read_item(storage, files, block, it, verify, maps)
+            read_item(storage, files, block, it, verify, maps, skip)
         return
     with ThreadPoolExecutor(num_threads, thread_name_prefix="bcp-read") as pool:
-        for f in [pool.submit(metrics.bind(read_item), storage, files, block, it, verify, maps) for it in items]:
+        for f in [pool.submit(metrics.bind(read_item), storage, files, block, it, verify, maps, skip)
+                  for it in items]:
             f.result()

@@ -1,26 +1,34 @@
-"""Redundant-read elimination on load (paper §4.1).
+"""Shared reads on load: ranks that need the same bytes split the work (paper §4.1).
 
-When several ranks need the same bytes (data-parallel replicas), each byte range is read from
-storage once, by one of the ranks that need it (worst-fit on bytes), and passed to the others
-over a gloo group, overlapped with reading. Receivers verify the checksums themselves, so the
-transfer is covered end to end.
+From remote storage, or when the job spans hosts, each byte range is read once across the job,
+by one of the ranks that need it (worst-fit on bytes), and passed to the others over a gloo
+group, overlapped with reading. Receivers verify the checksums themselves, so the transfer is
+covered end to end.
 
-It pays off when storage bandwidth is the bottleneck (remote or shared storage, many nodes); on
-one node reading from the page cache is faster than any transfer, which is why `load` turns it
-on by default only for remote storage or multi-node jobs.
+On one host reading local files, the page cache already holds each byte once for all ranks and
+is faster than any transfer; what the ranks would repeat is the checksum verification (a
+Shard(0) -> Shard(1) load on N ranks needs a part of every block, so each rank would hash the
+whole checkpoint). There each block is verified by one of the ranks that read it (worst-fit
+again), and the ranks agree at the end that no block failed.
+
+`load` turns sharing on by default only for remote storage or multi-node jobs: it makes the
+load collective, and on one host a load by a subset of ranks is a common pattern.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
+from . import metrics
 from .comm import Comm
-from .engine import copy_from_span, item_span, read_item, read_span
+from .engine import copy_from_span, item_span, read_all, read_item, read_span
+from .errors import BCPError, ChecksumError
 from .planner import ReadItem
 from .storage import Storage
 
@@ -47,33 +55,91 @@ def _transfer_group(process_group):
     return _GROUPS[ranks]
 
 
+def _host() -> str:
+    return socket.gethostname()
+
+
+def _worst_fit(requesters: dict[tuple, list[int]], size, world_size: int) -> dict[tuple, int]:
+    """An owner for each key several ranks want: keys one rank wants count first; shared ones go,
+    largest first, to the requester with the fewest bytes so far. Same result on every rank."""
+    load = [0] * world_size
+    for k, rs in requesters.items():
+        if len(rs) == 1:
+            load[rs[0]] += size(k)
+    owner = {}
+    for k in sorted((k for k, rs in requesters.items() if len(rs) > 1), key=lambda k: (-size(k), k)):
+        r = min(requesters[k], key=lambda x: (load[x], x))
+        owner[k] = r
+        load[r] += size(k)
+    return owner
+
+
+def _blocks(it: ReadItem, block: int) -> tuple[int, int, int, int, int]:
+    """The checksum blocks an item's read covers: (file, piece byte offset, first block, end block,
+    piece bytes)."""
+    lo, hi = item_span(it, block, True)
+    p = it.piece
+    return p.file, p.byte_offset, lo // block, -(-hi // block), p.nbytes
+
+
 def read_all_shared(storage: Storage, files: tuple[str, ...], block: int, items: list[ReadItem], verify: bool,
                     num_threads: int, process_group, comm: Comm) -> dict:
-    """Read `items` with each byte range read once across the group. Collective. Returns counts."""
+    """Read `items` sharing the work with the group's other ranks (module docstring). Collective.
+    Returns counts."""
     items = [it for it in items if math.prod(it.lengths)]
     spans: dict[tuple[int, int, int], list[ReadItem]] = {}
-    direct: list[ReadItem] = []
     for it in items:
         lo, hi = item_span(it, block, verify)
         spans.setdefault((it.piece.file, it.piece.byte_offset + lo, it.piece.byte_offset + hi), []).append(it)
-    wanted = comm.all_gather(sorted(spans), "load-plan")
+    blocks = sorted({_blocks(it, block) for it in items}) if verify else []
+    wanted = comm.all_gather({"host": _host(), "spans": sorted(spans), "blocks": blocks}, "load-plan")
+    if not storage.remote and len({w["host"] for w in wanted}) == 1:
+        return _verify_once(storage, files, block, items, verify, num_threads, comm, [w["blocks"] for w in wanted])
+    with metrics.phase("transfer"):  # the whole exchange; its own reads and copies are recorded too
+        return _read_once(storage, files, block, spans, verify, num_threads, process_group, comm,
+                          [w["spans"] for w in wanted])
+
+
+def _verify_once(storage: Storage, files: tuple[str, ...], block: int, items: list[ReadItem], verify: bool,
+                 num_threads: int, comm: Comm, wanted: list[list]) -> dict:
+    """One host, local files: every rank reads its own bytes; each block is verified once."""
+    requesters: dict[tuple[int, int, int], list[int]] = {}  # (file, piece offset, block) -> ranks
+    sizes: dict[tuple[int, int, int], int] = {}
+    for r, ranges in enumerate(wanted):
+        for f, off, b0, b1, nbytes in ranges:
+            for b in range(b0, b1):
+                requesters.setdefault((f, off, b), []).append(r)
+                sizes[(f, off, b)] = min(block, nbytes - b * block)
+    owner = _worst_fit(requesters, sizes.__getitem__, comm.world_size)
+    me = comm.rank
+    skip = {(files[f], off + b * block) for (f, off, b), r in owner.items() if r != me}
+    error: Exception | None = None
+    try:
+        read_all(storage, files, block, items, verify, num_threads, skip)
+    except Exception as e:  # noqa: BLE001 - every rank must reach the exchange below, or the others wait
+        error = e
+    failures = comm.all_gather(None if error is None else f"{type(error).__name__}: {error}", "load-verify")
+    if error is not None:
+        raise error
+    for r, msg in enumerate(failures):
+        if msg is not None:
+            if msg.startswith("ChecksumError"):
+                raise ChecksumError(f"rank {r} found a corrupted block in this shared load: {msg}")
+            raise BCPError(f"rank {r} failed its part of this shared load: {msg}")
+    return {"verified_blocks": sum(1 for r in owner.values() if r == me)}
+
+
+def _read_once(storage: Storage, files: tuple[str, ...], block: int, spans: dict, verify: bool, num_threads: int,
+               process_group, comm: Comm, wanted: list[list]) -> dict:
+    """Each byte range read once across the group and sent to the other ranks that need it."""
     requesters: dict[tuple, list[int]] = {}
     for r, keys in enumerate(wanted):
         for k in keys:
             requesters.setdefault(tuple(k), []).append(r)
-    # Worst-fit: ranges only one rank wants count first; shared ones go, largest first, to the
-    # requester with the fewest bytes to read so far.
-    load = [0] * comm.world_size
-    for k, rs in requesters.items():
-        if len(rs) == 1:
-            load[rs[0]] += k[2] - k[1]
-    shared = sorted((k for k, rs in requesters.items() if len(rs) > 1), key=lambda k: (k[1] - k[2], k))
-    owner = {}
-    for k in shared:
-        r = min(requesters[k], key=lambda x: (load[x], x))
-        owner[k] = r
-        load[r] += k[2] - k[1]
-    tag = {k: i for i, k in enumerate(sorted(shared))}
+    owner = _worst_fit(requesters, lambda k: k[2] - k[1], comm.world_size)
+    shared = sorted(owner)
+    tag = {k: i for i, k in enumerate(shared)}
+    direct: list[ReadItem] = []
     group = _transfer_group(process_group)
     me = comm.rank
 

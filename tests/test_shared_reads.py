@@ -1,50 +1,134 @@
-"""Redundant-read elimination: replicas read each byte range once across the job."""
+"""Shared reads: replicas read each byte range once across hosts; on one host each checksum block
+is verified once."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
+import torch
 
 import bcp_core as bcp
 from dist import run_ranks
 from layouts import assert_same, build, full_state
 
+ROWS, COLS = 4096, 1024  # 16 MiB of float32: each rank's Shard(0) piece is two 4 MiB checksum blocks
 
-def _load_counting_reads(rank, world_size, root):
+
+def _counting(cls_or_module, name, log, key):
+    real = getattr(cls_or_module, name)
+
+    def counting(*args):
+        log.append(key(*args))
+        return real(*args)
+    setattr(cls_or_module, name, counting)
+    return real
+
+
+def _byte_sharing(rank, root) -> list:
+    """Each rank on a host of its own: replicas need every byte, and each range is read once."""
+    from bcp_core import shared_reads
     from bcp_core.storage import LocalStorage
-    reads = []
-    real = LocalStorage.read_into
-
-    def counting(self, relpath, offset, out):
-        reads.append((relpath, offset, offset + len(memoryview(out).cast("B"))))
-        return real(self, relpath, offset, out)
 
     model, optim = build("fsdp2")  # saved sharded...
     bcp.save(os.path.join(root, "ck"), {"model": model, "optimizer": optim}).wait()
     ref = full_state(model, optim)
-    LocalStorage.read_into = counting
+    shared_reads._host = lambda: f"host{rank}"
+    reads: list = []
+    real = _counting(LocalStorage, "read_into", reads,
+                     lambda self, relpath, offset, out: (relpath, offset, offset + len(memoryview(out).cast("B"))))
     try:
         ddp, ddp_opt = build("ddp", seed=5)  # ...loaded replicated: both ranks need every byte
         bcp.load(os.path.join(root, "ck"), {"model": ddp, "optimizer": ddp_opt}, share_reads=True)
     finally:
         LocalStorage.read_into = real
-    loaded = full_state(ddp, ddp_opt)
     if rank == 0:
-        assert_same(ref, loaded, "fsdp2 -> ddp with shared reads")
+        assert_same(ref, full_state(ddp, ddp_opt), "fsdp2 -> ddp with shared reads")
     again, again_opt = build("ddp", seed=6)  # a second shared load must not see the first one's messages
     bcp.load(os.path.join(root, "ck"), {"model": again, "optimizer": again_opt}, share_reads=True)
-    loaded = full_state(again, again_opt)
     if rank == 0:
-        assert_same(ref, loaded, "second load with shared reads")
+        assert_same(ref, full_state(again, again_opt), "second load with shared reads")
+    shared_reads._host = shared_reads.socket.gethostname
     return [r for r in reads if not r[0].endswith(".json")]
 
 
-def test_each_byte_range_read_once_across_ranks(tmp_path):
-    reads = run_ranks(2, _load_counting_reads, str(tmp_path))
+def _verification_sharing(rank, root) -> dict:
+    """One host, Shard(0) saved and Shard(1) loaded: each rank needs half of every block."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from bcp_core import engine
+    from bcp_core.errors import ChecksumError
+
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    full = torch.randn(ROWS, COLS)
+    path = os.path.join(root, "resharded")
+    bcp.save(path, {"w": distribute_tensor(full, mesh, [Shard(0)])}).wait()
+    out: dict = {}
+    for share in (False, True):
+        target = {"w": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(1)])}
+        hashed: list = []
+        real = _counting(engine, "checksum", hashed, lambda data: len(data))
+        try:
+            bcp.load(path, target, share_reads=share)
+        finally:
+            engine.checksum = real
+        assert torch.equal(target["w"].to_local(), full[:, rank * COLS // 2:(rank + 1) * COLS // 2])
+        out[f"hashed_bytes_shared_{share}"] = sum(hashed)
+    # One flipped byte: whichever rank verifies that block, every rank fails the load.
+    md = bcp.inspect(path)
+    piece = md.tensors["w"].pieces[1]
+    if rank == 0:
+        with open(os.path.join(path, md.files[piece.file]), "r+b") as f:
+            f.seek(piece.byte_offset + 5 * (1 << 20))  # in the piece's second block
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x10]))
+    dist.barrier()
+    try:
+        bcp.load(path, {"w": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(1)])}, share_reads=True)
+    except ChecksumError as e:
+        out["corrupt_error"] = str(e)
+    return out
+
+
+def _scenarios(rank, world_size, root):
+    return {"reads": _byte_sharing(rank, root), **_verification_sharing(rank, root)}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shared_reads")
+    return root, run_ranks(2, _scenarios, str(root))
+
+
+def test_each_byte_range_read_once_across_hosts(results):
+    root, per_rank = results
+    reads = [r["reads"] for r in per_rank]
     every = sorted(r for rank_reads in reads for r in rank_reads)
-    assert every and all(rank_reads for rank_reads in reads)  # both ranks did part of the reading
+    assert every and all(reads)  # both ranks did part of the reading
     for a, b in zip(every, every[1:]):
         assert a[0] != b[0] or a[2] <= b[1], f"byte range read twice: {a} and {b}"
-    md = bcp.inspect(str(tmp_path / "ck"))
+    md = bcp.inspect(str(root / "ck"))
     tensor_bytes = sum(p.nbytes for t in md.tensors.values() for p in t.pieces)
     assert sum(r[2] - r[1] for r in every) == tensor_bytes  # every saved byte read exactly once
+
+
+def test_each_block_verified_once_on_one_host(results):
+    _, per_rank = results
+    total = ROWS * COLS * 4
+    # without sharing both ranks hash the whole checkpoint (each needs half of every block) ...
+    assert [r["hashed_bytes_shared_False"] for r in per_rank] == [total, total]
+    # ... with it, each block is hashed by one rank, and the work is split evenly
+    assert [r["hashed_bytes_shared_True"] for r in per_rank] == [total // 2, total // 2]
+
+
+def test_a_corrupted_block_fails_the_load_on_every_rank(results):
+    _, per_rank = results
+    errors = [r.get("corrupt_error") for r in per_rank]
+    assert all(errors), errors
+    own = [e for e in errors if e.startswith("checksum mismatch")]
+    told = [e for e in errors if e.startswith("rank ") and "checksum mismatch" in e]
+    assert len(own) == 1 and len(told) == 1, errors
