@@ -118,14 +118,15 @@ def _verify_once(storage: Storage, files: tuple[str, ...], block: int, items: li
         read_all(storage, files, block, items, verify, num_threads, skip)
     except Exception as e:  # noqa: BLE001 - every rank must reach the exchange below, or the others wait
         error = e
-    failures = comm.all_gather(None if error is None else f"{type(error).__name__}: {error}", "load-verify")
+    failures = comm.all_gather(None if error is None else [type(error).__name__, str(error)], "load-verify")
     if error is not None:
         raise error
-    for r, msg in enumerate(failures):
-        if msg is not None:
-            if msg.startswith("ChecksumError"):
+    for r, failure in enumerate(failures):
+        if failure is not None:
+            kind, msg = failure
+            if kind == ChecksumError.__name__:
                 raise ChecksumError(f"rank {r} found a corrupted block in this shared load: {msg}")
-            raise BCPError(f"rank {r} failed its part of this shared load: {msg}")
+            raise BCPError(f"rank {r} failed its part of this shared load: {kind}: {msg}")
     return {"verified_blocks": sum(1 for r in owner.values() if r == me)}
 
 

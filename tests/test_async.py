@@ -15,6 +15,20 @@ from dist import run_ranks
 from layouts import assert_same, build, full_state, train
 
 
+def _saves_while_training(model, optim, path, role, wait_each=False, **save_kw):
+    """Three async saves, training mutating the parameters in place right after each call.
+    Returns the state as of each call and the handles."""
+    snapshots, handles = [], []
+    for k in range(3):
+        snapshots.append(copy.deepcopy(full_state(model, optim)))
+        handles.append(bcp.save(path, {"model": model, "optimizer": optim}, step=k, async_save=True, role=role,
+                                **save_kw))
+        train(model, optim, range(k + 1, k + 2))  # mutates in place while the save writes
+        if wait_each:
+            handles[-1].wait()
+    return snapshots, handles
+
+
 def _assert_each_holds_its_call(handles, snapshots, rank, what):
     """Each checkpoint holds the state as of its own save call (compared on rank 0; collective)."""
     for k, h in enumerate(handles):
@@ -34,12 +48,7 @@ def _async_scenarios(rank, world_size, root):
 
     # 1. Three back-to-back async saves while training mutates the parameters right after each
     #    call: every checkpoint holds the values of its own call (ping-pong staging, FIFO commits).
-    snapshots, handles = [], []
-    for k in range(3):
-        snapshots.append(copy.deepcopy(full_state(model, optim)))
-        handles.append(bcp.save(os.path.join(root, "a"), {"model": model, "optimizer": optim}, step=k,
-                                async_save=True, role="async-test"))
-        train(model, optim, range(k + 1, k + 2))  # mutates in place while the save writes
+    snapshots, handles = _saves_while_training(model, optim, os.path.join(root, "a"), "async-test")
     _assert_each_holds_its_call(handles, snapshots, rank, "async save")
 
     # 2. Plan cache: the first save planned, the next two reused it with no planning collective.
@@ -135,14 +144,10 @@ def _fork_scenarios(rank, world_size, root):
     cp = ckp.get_checkpointer("fork-test")
     # Saves of one structure: the first forks (cold staging buffers), the next ones copy into the
     # buffers the first one warmed in the background. Training mutates right after every call.
-    snapshots, handles = [], []
-    for k in range(3):
-        snapshots.append(copy.deepcopy(full_state(model, optim)))
-        handles.append(bcp.save(os.path.join(root, "f"), {"model": model, "optimizer": optim}, step=k,
-                                async_save=True, role="fork-test", snapshot="fork"))
-        train(model, optim, range(k + 1, k + 2))
-        handles[-1].wait()  # the next save finds the warmed buffers
-        out.setdefault("forked", []).append(any(r["phase"] == "snapshot" for r in handles[-1].metrics))
+    # Waiting for each save lets the next one find the warmed buffers.
+    snapshots, handles = _saves_while_training(model, optim, os.path.join(root, "f"), "fork-test", wait_each=True,
+                                               snapshot="fork")
+    out["forked"] = [any(r["phase"] == "snapshot" for r in h.metrics) for h in handles]
     _assert_each_holds_its_call(handles, snapshots, rank, "fork-snapshot save")
     phases = {r["phase"] for r in handles[0].metrics}
     out["child_phases"] = sorted(phases & {"write", "checksum", "fsync"})

@@ -33,6 +33,7 @@ def _byte_sharing(rank, root) -> list:
     model, optim = build("fsdp2")  # saved sharded...
     bcp.save(os.path.join(root, "ck"), {"model": model, "optimizer": optim}).wait()
     ref = full_state(model, optim)
+    host = shared_reads._host
     shared_reads._host = lambda: f"host{rank}"
     reads: list = []
     real = _counting(LocalStorage, "read_into", reads,
@@ -40,15 +41,15 @@ def _byte_sharing(rank, root) -> list:
     try:
         ddp, ddp_opt = build("ddp", seed=5)  # ...loaded replicated: both ranks need every byte
         bcp.load(os.path.join(root, "ck"), {"model": ddp, "optimizer": ddp_opt}, share_reads=True)
-    finally:
         LocalStorage.read_into = real
-    if rank == 0:
-        assert_same(ref, full_state(ddp, ddp_opt), "fsdp2 -> ddp with shared reads")
-    again, again_opt = build("ddp", seed=6)  # a second shared load must not see the first one's messages
-    bcp.load(os.path.join(root, "ck"), {"model": again, "optimizer": again_opt}, share_reads=True)
-    if rank == 0:
-        assert_same(ref, full_state(again, again_opt), "second load with shared reads")
-    shared_reads._host = shared_reads.socket.gethostname
+        if rank == 0:
+            assert_same(ref, full_state(ddp, ddp_opt), "fsdp2 -> ddp with shared reads")
+        again, again_opt = build("ddp", seed=6)  # a second shared load must not see the first one's messages
+        bcp.load(os.path.join(root, "ck"), {"model": again, "optimizer": again_opt}, share_reads=True)
+        if rank == 0:
+            assert_same(ref, full_state(again, again_opt), "second load with shared reads")
+    finally:
+        LocalStorage.read_into, shared_reads._host = real, host
     return [r for r in reads if not r[0].endswith(".json")]
 
 
