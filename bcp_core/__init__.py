@@ -3,12 +3,13 @@
     import bcp_core as bcp
     handle = bcp.save(path, state)            # collective; async_save=True for background writes
     handle.wait()
+    bcp.prepare_save(state, async_save=True)  # optional: first async save stalls like later ones
     bcp.load(path, state)                     # in place, at any world size / sharding
     bcp.inspect(path)                         # metadata only
 """
 
 from . import rng
-from .api import LoadResult, SaveHandle, inspect, load, resolve, save
+from .api import LoadResult, SaveHandle, inspect, load, prepare_save, resolve, save
 from .errors import (BCPError, ChecksumError, FormatVersionError, IncompleteCheckpointError,
                      KeyMismatchError, MetadataError, NotACheckpointError, PickleNotAllowedError, PlanError,
                      SaveError, ShapeMismatchError, StorageError, UnsafePathError, UnsupportedValueError)
@@ -18,7 +19,7 @@ from .storage import LocalStorage, Storage, register_storage, storage_for
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "load", "inspect", "resolve", "rng", "SaveHandle", "LoadResult", "CheckpointMetadata", "TensorMeta",
+    "save", "prepare_save", "load", "inspect", "resolve", "rng", "SaveHandle", "LoadResult", "CheckpointMetadata", "TensorMeta",
     "Piece", "FORMAT_VERSION", "Storage", "LocalStorage", "register_storage", "storage_for",
     "BCPError", "ChecksumError", "FormatVersionError", "IncompleteCheckpointError", "KeyMismatchError",
     "MetadataError", "NotACheckpointError", "PickleNotAllowedError", "PlanError", "SaveError",

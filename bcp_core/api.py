@@ -7,6 +7,7 @@ import logging
 import os
 import re
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -61,6 +62,23 @@ def save(path: str | os.PathLike, state: dict, framework: str = "auto", async_sa
         path, state, framework, async_save, step=step, process_group=process_group, allow_pickle=allow_pickle,
         fsync=fsync, num_threads=num_threads, user_metadata=user_metadata, on_commit=on_commit,
         snapshot=snapshot, timeout=timeout)
+
+
+def prepare_save(state: dict, framework: str = "auto", async_save: bool = True, *, role: str = "default",
+                 process_group=None, allow_pickle: bool = False, timeout: timedelta = DEFAULT_TIMEOUT) -> Future:
+    """Get the saves of `state` ready before the first one: plan them now (collective: call on all
+    ranks) and, for asynchronous saves, allocate and touch this rank's staging buffers in a
+    background thread. The first save of this structure then stalls no longer than later ones: no
+    planning collective and no page faults in fresh memory (README, "Speed").
+
+    Call it once the state has the structure it will be saved with, e.g. after the first optimizer
+    step (optimizers create their state then); a different structure at save time is planned
+    again, as without preparing. The returned future is done once the buffers are ready; a save
+    that comes earlier waits for them. Holds the staging memory (this rank's share of the state)
+    from now on, which async saves hold anyway from their first save.
+    """
+    return get_checkpointer(role).prepare(state, framework, async_save, process_group=process_group,
+                                          allow_pickle=allow_pickle, timeout=timeout)
 
 
 # ----------------------------------------------------------------------------- resolve / inspect
@@ -127,8 +145,9 @@ def load(path: str | os.PathLike, state: dict, framework: str = "auto", strict: 
     `share_reads`: the group's ranks split the work they would repeat (collective: every rank of
     the group calls load). From remote storage or across hosts, each byte range is read once and
     passed to the other ranks that need it; on one host reading local files, each checksum block
-    is verified by one rank only. Default (None): on for remote storage or multi-node jobs; off on
-    one node, so that a subset of the ranks may load on its own.
+    is verified by one rank only. Default (None): on for remote storage, multi-node jobs and states
+    holding DTensors laid out over the whole group; otherwise off, so that a subset of the ranks
+    may load plain tensors on its own.
     """
     st = resolve(path)
     md = read_metadata(st)
@@ -188,7 +207,8 @@ def load(path: str | os.PathLike, state: dict, framework: str = "auto", strict: 
                 items.extend(box_read_items(fqn, tm, Box((0,) * len(tm.shape), tm.shape, t)))
             else:
                 items.extend(read_items(fqn, tm, target.tensor))
-    if share_reads or (share_reads is None and worth_sharing(st, process_group)):
+    if share_reads or (share_reads is None and
+                       worth_sharing(st, process_group, (t.tensor for t in lt.targets.values()))):
         read_all_shared(st, md.files, md.checksum_block_bytes, items, verify_checksums, num_threads,
                         process_group, _load_comm(process_group, timeout))
     else:

@@ -109,12 +109,12 @@ class StagingPool:
     """
 
     def __init__(self):
-        self._key: str | None = None
+        self._key: tuple | None = None
         self._slots: list[list[torch.Tensor] | None] = [None, None]
         self._busy = [False, False]
         self._lock = threading.Lock()
 
-    def acquire(self, key: str, sources: list[torch.Tensor]) -> tuple[int, list[torch.Tensor]] | None:
+    def acquire(self, key: tuple, sources: list[torch.Tensor]) -> tuple[int, list[torch.Tensor]] | None:
         with self._lock:
             if key != self._key:  # the layout changed: drop buffers of the old plan (none is busy then)
                 self._key, self._slots, self._busy = key, [None, None], [False, False]
@@ -126,7 +126,7 @@ class StagingPool:
                     return i, self._slots[i]
             return None
 
-    def release(self, key: str, slot: int) -> None:
+    def release(self, key: tuple, slot: int) -> None:
         with self._lock:
             if key == self._key:
                 self._busy[slot] = False
@@ -134,11 +134,11 @@ class StagingPool:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for slot in self._slots if slot for b in slot)
 
-    def warm(self, key: str) -> bool:
+    def warm(self, key: tuple) -> bool:
         with self._lock:
             return key == self._key and any(slot is not None for slot in self._slots)
 
-    def warm_up(self, key: str, sources: list[torch.Tensor]) -> None:
+    def warm_up(self, key: tuple, sources: list[torch.Tensor]) -> None:
         """Allocate and touch one slot's buffers for `key` before a save needs them."""
         buffers = [_host_buffer(s) for s in sources]
         with torch.no_grad():
@@ -149,6 +149,16 @@ class StagingPool:
                 self._key, self._slots, self._busy = key, [None, None], [False, False]
             if self._slots[0] is None and not self._busy[0]:
                 self._slots[0] = buffers
+
+
+def _pool_key(plan: LocalSavePlan, boxes) -> tuple:
+    """Staging buffers fit a structure and the boxes staged from it: a first save stages every box
+    this rank holds, later ones only those assigned to it; without replicas they are the same."""
+    return plan.key, tuple(tuple(tb) for tb in boxes)
+
+
+def _sources(plan: LocalSavePlan, boxes) -> list[torch.Tensor]:
+    return [plan.tensors[ti][1].boxes[bi].view for ti, bi in boxes]
 
 
 def _host_buffer(src: torch.Tensor) -> torch.Tensor:
@@ -171,6 +181,7 @@ class Checkpointer:
         # reaches the other ranks with the first plan.
         self._token = secrets.token_hex(4)
         self._saves = 0
+        self._warming: Future | None = None  # prepare_save's buffer warm-up
 
     # -- public ------------------------------------------------------------------------------------
 
@@ -223,6 +234,38 @@ class Checkpointer:
         self._pending.append((handle, job))
         return handle
 
+    def prepare(self, state: dict, framework: str = "auto", async_save: bool = True, *, process_group=None,
+                allow_pickle: bool = False, timeout: timedelta = DEFAULT_TIMEOUT) -> Future:
+        """Plan the saves of `state`'s structure now and, for async saves, touch the staging
+        buffers in a background thread (see `bcp_core.prepare_save`). Collective."""
+        self._raise_background_errors()
+        adapter = resolve_framework(state, framework)
+        comm = self._comm(process_group, timeout)
+        try:
+            plan, error = local_save_plan(save_leaves(state, adapter), comm.rank, allow_pickle), None
+        except Exception as e:  # noqa: BLE001 - sent to the coordinator so every rank raises
+            plan, error = None, f"rank {comm.rank}: {type(e).__name__}: {e}"
+        self.wait_all()  # its collectives must not interleave with queued background commits
+        cached = self._plan(comm, None, plan, error)  # every rank plans: a cache hit on some only would hang
+        ready: Future = Future()
+        boxes = cached.assignment["write"]
+        if not async_save or self._pool.warm(_pool_key(plan, boxes)):
+            ready.set_result(None)
+            return ready
+        self._warming = ready
+
+        def warm() -> None:
+            ready.set_running_or_notify_cancel()
+            try:
+                self._pool.warm_up(_pool_key(plan, boxes), _sources(plan, boxes))
+                ready.set_result(None)
+            except BaseException as e:  # noqa: BLE001 - the first save allocates its buffers itself then
+                log.warning("bcp: preparing the staging buffers of role %r failed: %s", self.role, e)
+                ready.set_result(None)
+
+        threading.Thread(target=warm, name=f"bcp-prepare-{self.role}").start()
+        return ready
+
     def _start(self, fn, *args, **kwargs) -> Future:
         """Run fn in a background thread of its own, after the previous save of this role finished.
 
@@ -258,14 +301,16 @@ class Checkpointer:
             self._comms[key] = Comm(process_group, timeout, tag=self.role)
         return self._comms[key]
 
-    def _plan(self, comm: Comm, ckpt: Storage, plan: LocalSavePlan | None, error: str | None) -> CachedPlan:
+    def _plan(self, comm: Comm, ckpt: Storage | None, plan: LocalSavePlan | None, error: str | None) -> CachedPlan:
+        """Plan collectively and cache the plan. `ckpt` is None when preparing (no checkpoint yet)."""
+        what = f"save to {ckpt.root}" if ckpt is not None else f"prepare_save (role {self.role!r})"
         msg = {"kind": "plan", "error": error} if plan is None else \
             {"kind": "plan", "key": plan.key, "structure": plan.structure}
         try:
             msgs = comm.gather(msg, "plan")
         except CommTimeoutError as e:  # tell the ranks that did arrive, then fail everywhere alike
             comm.broadcast({"kind": "plan", "error": str(e)}, "plan")
-            raise SaveError(f"save to {ckpt.root} planned nothing: {e}") from None
+            raise SaveError(f"{what} planned nothing: {e}") from None
         reply: dict = {}
         gplan = None
         if comm.is_coordinator:
@@ -279,18 +324,19 @@ class Checkpointer:
                 if errors:
                     raise SaveError("; ".join(errors))
                 gplan = global_save_plan([m["structure"] for m in msgs])
-                _invalidate(ckpt)
-                ckpt.makedirs()
+                if ckpt is not None:
+                    _invalidate(ckpt)
+                    ckpt.makedirs()
                 reply = {"kind": "plan", "assignments": gplan.assignments, "token": self._token}
             except Exception as e:  # noqa: BLE001 - broadcast so that every rank raises
                 reply = {"kind": "plan", "error": str(e) if isinstance(e, BCPError) else f"{type(e).__name__}: {e}"}
         # each rank receives only its own assignment; tree leaders pass on only their subtree's part
         reply = comm.scatter(_per_rank_replies(reply, comm.world_size) if comm.is_coordinator else None, "plan")
         if reply.get("kind") != "plan":
-            raise SaveError(f"save to {ckpt.root}: this rank re-planned while others reused a cached plan "
+            raise SaveError(f"{what}: this rank re-planned while others reused a cached plan "
                             "(the state's structure changed on some ranks only)")
         if "error" in reply:
-            raise SaveError(f"save to {ckpt.root} planned nothing: {reply['error']}")
+            raise SaveError(f"{what} planned nothing: {reply['error']}")
         self.stats["plans"] += 1
         self._token = reply["token"]
         cached = CachedPlan(reply["assignment"], gplan,
@@ -313,8 +359,11 @@ class Checkpointer:
             boxes = [tuple(tb) for tb in job.cached.assignment["write"]]
         else:
             boxes = [(ti, bi) for ti, (_, lt) in enumerate(plan.tensors) for bi in range(len(lt.boxes))]
-        sources = [plan.tensors[ti][1].boxes[bi].view for ti, bi in boxes]
-        pool_key = f"{plan.key}:{'assigned' if job.cached is not None else 'all'}"
+        sources = _sources(plan, boxes)
+        pool_key = _pool_key(plan, boxes)
+        if self._warming is not None:  # prepare_save's buffers are still being touched: take them when ready
+            self._warming.result()
+            self._warming = None
         got = self._pool.acquire(pool_key, sources)
         while got is None:  # both slots in flight: wait for the oldest save
             self._pending[0][0]._future.exception()  # blocks until the oldest save is done
@@ -334,7 +383,7 @@ class Checkpointer:
 
     def _pool_is_cold(self, job: _Job) -> bool:
         """No warm staging buffers for this plan yet: a copy would fault in fresh memory."""
-        return job.cached is None or not self._pool.warm(f"{job.plan.key}:assigned")
+        return job.cached is None or not self._pool.warm(_pool_key(job.plan, job.cached.assignment["write"]))
 
     @metrics.timed("snapshot")
     def _fork(self, job: _Job) -> None:
@@ -360,8 +409,7 @@ class Checkpointer:
             if job.snapshot is not None:  # the forked process builds the items from its copy of the state
                 job.snapshot.send(assignment, f"{self._token}-{job.number}-", comm.rank)
                 # touch the staging buffers of the next save now, off the training thread
-                self._pool.warm_up(f"{job.plan.key}:assigned",
-                                   [job.plan.tensors[ti][1].boxes[bi].view for ti, bi in assignment["write"]])
+                self._pool.warm_up(_pool_key(job.plan, assignment["write"]), _sources(job.plan, assignment["write"]))
             elif job.staged is None:  # synchronous save: write straight from the live tensors
                 job.items = _items(job.plan, assignment, None)
             else:

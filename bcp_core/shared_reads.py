@@ -11,8 +11,9 @@ Shard(0) -> Shard(1) load on N ranks needs a part of every block, so each rank w
 whole checkpoint). There each block is verified by one of the ranks that read it (worst-fit
 again), and the ranks agree at the end that no block failed.
 
-`load` turns sharing on by default only for remote storage or multi-node jobs: it makes the
-load collective, and on one host a load by a subset of ranks is a common pattern.
+Sharing makes the load collective. `load` turns it on by default for remote storage, multi-node
+jobs and states holding DTensors over the whole group (which all its ranks load together); a
+load of plain tensors on one host stays local, since a load by a subset of ranks is common there.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -30,20 +32,27 @@ from .comm import Comm
 from .engine import copy_from_span, item_span, read_all, read_item, read_span
 from .errors import BCPError, ChecksumError
 from .planner import ReadItem
+from .shards import is_dtensor
 from .storage import Storage
 
 _GROUPS: dict[tuple, object] = {}
 
 
-def worth_sharing(storage: Storage, process_group) -> bool:
-    """Default policy: share reads for remote storage or when the job spans several nodes."""
+def worth_sharing(storage: Storage, process_group, tensors: Iterable) -> bool:
+    """Default policy: share for remote storage, for jobs spanning several nodes, and for states
+    holding a DTensor laid out over every rank of the group (all its ranks load such a state
+    together, so the collective costs nothing in flexibility)."""
     if not (dist.is_available() and dist.is_initialized()):
         return False
-    if dist.get_world_size(process_group) < 2:
+    world = dist.get_world_size(process_group)
+    if world < 2:
         return False
-    remote = storage.remote
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size(process_group)))
-    return remote or local_world < dist.get_world_size(process_group)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if storage.remote or local_world < world:
+        return True
+    group = set(dist.get_process_group_ranks(process_group)) if process_group is not None else set(range(world))
+    meshes = {id(t.device_mesh): t.device_mesh for t in tensors if is_dtensor(t)}
+    return any(set(m.mesh.flatten().tolist()) == group for m in meshes.values())
 
 
 def _transfer_group(process_group):

@@ -6,19 +6,24 @@ Every rank holds its shard of a set of FSDP-style Shard(0) DTensors (GIB in all)
 the slowest rank (wall time between barriers):
 
 - floors: a plain `copy_` of the local shards into preallocated memory (any copying snapshot's
-  floor), an fsync'd sequential write of the same bytes (the disk's floor), and a read of those
-  bytes back from the page cache (the load floor);
+  floor), an fsync'd sequential write of the same bytes into a new file (the disk's floor,
+  alternated with the durable saves below), and a read of those bytes back from the page cache
+  (the load floor);
 - save stall (time until training may continue) of an asynchronous save in steady state: bcp
   `save(async_save=True)`, DCP `async_save` as shipped, and DCP `async_save` with a cached
   staging stager (its best configuration on CPU);
 - the first save's stall, each system in fresh processes of its own, the systems alternated
   twice (best of 2): fresh memory costs what the machine's page faults cost at that moment (on
   the VM this was built on, 0.2 to 3 s per GiB), so each system gets the same chances. bcp is
-  measured copying (default) and with `snapshot="fork"` (copy-on-write), with the time of an
-  in-place update of every shard right after the call (where the fork's cost goes);
-- end-to-end save (durable): bcp `save` and DCP `save`, alternated three times (best of 3);
-- load into the same layout and into a different one (Shard(1)): bcp `load` (also with
-  `share_reads=True`, where each checksum block is verified by one rank of the host), DCP `load`;
+  measured copying (default), with `snapshot="fork"` (copy-on-write), and after `prepare_save`
+  (training steps run until its buffers are ready, timed against a plain step), each with the
+  time of an in-place update of every shard right after the call (where a fork's cost goes);
+- end-to-end save (durable): the disk floor, bcp `save` and DCP `save`, alternated three times
+  (best of 3). The floor writes new files like the checkpoints do: on a thin-provisioned virtual
+  disk, rewriting one file reuses blocks the host has already backed and runs 2-3x faster;
+- load into the same layout and into a different one (Shard(1)): bcp `load` (by default each
+  checksum block is verified by one rank of the host, as the state holds DTensors over the whole
+  group; also with `share_reads=False`, where each rank verifies every block it reads), DCP `load`;
   the resharded floor is a strided copy of exactly the needed half of every row out of memory
   maps of the floor files;
 - peak RSS of the steady-state runs (separate processes).
@@ -46,7 +51,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 N_TENSORS = 16
-FIRST_SYSTEMS = ("bcp", "dcp", "bcp_fork", "dcp_best")
+FIRST_SYSTEMS = ("bcp", "dcp", "bcp_fork", "dcp_best", "bcp_prepared")
 
 
 def _state(gib: float, placement: str):
@@ -121,7 +126,7 @@ def _floors(gib, root):
         os.fsync(fd)
         os.close(fd)
 
-    write_s = min(_timed(write) for _ in range(3))
+    write()  # the file the read floors read (the disk floor is measured in _e2e)
 
     def read():
         fd = os.open(path, os.O_RDONLY)
@@ -153,8 +158,7 @@ def _floors(gib, root):
             del flat
 
     resharded_s = min(_timed(read_resharded) for _ in range(3))
-    return {"copy_first_s": copy_first, "copy_s": copy_steady, "disk_write_s": write_s,
-            "page_cache_read_s": read_s, "page_cache_read_resharded_s": resharded_s}
+    return {"copy_first_s": copy_first, "copy_s": copy_steady, "page_cache_read_s": read_s, "page_cache_read_resharded_s": resharded_s}
 
 
 def _first(gib, root, system):
@@ -163,9 +167,25 @@ def _first(gib, root, system):
     state = _state(gib, "shard0")
     locals_ = [t.to_local() for t in state.values()]
     path = os.path.join(root, f"first_{system}")
+    out = {}
+    if system == "bcp_prepared":  # prepare_save, then training steps until its buffers are ready
+        import bcp_core as bcp
+        out["plain_step_s"] = _timed(lambda: [x.add_(1.0) for x in locals_])
+        t = time.perf_counter()
+        ready = bcp.prepare_save(state)
+        out["prepare_call_s"] = _max(time.perf_counter() - t)
+        steps = []
+        while not ready.done():
+            t = time.perf_counter()
+            for x in locals_:
+                x.add_(1.0)
+            steps.append(time.perf_counter() - t)
+        out["steps_while_preparing"] = len(steps)
+        out["step_while_preparing_s"] = _max(max(steps, default=0.0))
+        dist.barrier()
     _settle()
     t = time.perf_counter()
-    if system in ("bcp", "bcp_fork"):
+    if system in ("bcp", "bcp_fork", "bcp_prepared"):
         import bcp_core as bcp
         handle = bcp.save(path, state, async_save=True, snapshot="fork" if system == "bcp_fork" else "copy")
         wait = handle.wait
@@ -182,7 +202,7 @@ def _first(gib, root, system):
     step = time.perf_counter() - t
     wait()
     dist.barrier()
-    return {"stall_s": _max(stall), "step_after_s": _max(step)}
+    return {"stall_s": _max(stall), "step_after_s": _max(step), **out}
 
 
 def _bcp(gib, root):
@@ -201,8 +221,8 @@ def _bcp(gib, root):
     resharded = _state(gib, "shard1")
     out["load_resharded_s"] = min(_timed(lambda: bcp.load(os.path.join(root, "bcp_sync"), resharded))
                                   for _ in range(3))
-    out["load_resharded_shared_s"] = min(_timed(lambda: bcp.load(os.path.join(root, "bcp_sync"), resharded,
-                                                                 share_reads=True)) for _ in range(3))
+    out["load_resharded_unshared_s"] = min(_timed(lambda: bcp.load(os.path.join(root, "bcp_sync"), resharded,
+                                                                   share_reads=False)) for _ in range(3))
     assert all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(state.values(), resharded.values()))
     out["peak_rss_mib"] = _max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     return out
@@ -246,17 +266,32 @@ def _dcp(gib, root):
 
 
 def _e2e(gib, root):
-    """Durable saves of both systems, alternated so both see the same disk conditions; best of 3."""
+    """Durable saves of both systems and the disk floor (an fsync'd sequential write of this rank's
+    bytes into a new file, as a checkpoint writes new files), alternated so that all three see the
+    same disk conditions; best of 3."""
     import torch.distributed.checkpoint as dcp
 
     import bcp_core as bcp
 
     state = _state(gib, "shard0")
-    times: dict[str, list[float]] = {"bcp": [], "dcp": []}
+    locals_ = [t.to_local() for t in state.values()]
+    rank = dist.get_rank()
+
+    def write(path):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        for t in locals_:
+            mv = memoryview(t.view(-1).view(torch.uint8).numpy())
+            while len(mv):
+                mv = mv[os.write(fd, mv):]
+        os.fsync(fd)
+        os.close(fd)
+
+    times: dict[str, list[float]] = {"disk": [], "bcp": [], "dcp": []}
     for k in range(3):
+        times["disk"].append(_timed(lambda k=k: write(os.path.join(root, f"e2e_disk_{k}_r{rank}.bin"))))
         times["bcp"].append(_timed(lambda k=k: bcp.save(os.path.join(root, "e2e_bcp"), state, step=k, role="e2e")))
         times["dcp"].append(_timed(lambda k=k: dcp.save(state, checkpoint_id=os.path.join(root, f"e2e_dcp_{k}"))))
-    return {"bcp_save_first_s": times["bcp"][0], "bcp_save_s": min(times["bcp"]),
+    return {"disk_write_s": min(times["disk"]), "bcp_save_first_s": times["bcp"][0], "bcp_save_s": min(times["bcp"]),
             "dcp_save_first_s": times["dcp"][0], "dcp_save_s": min(times["dcp"]), "runs": times}
 
 
@@ -327,21 +362,22 @@ def main():
             "stall_first_bcp_over_dcp_best": first["bcp"]["stall_s"] / first["dcp_best"]["stall_s"],
             "stall_first_fork_over_dcp": first["bcp_fork"]["stall_s"] / first["dcp"]["stall_s"],
             "stall_first_fork_over_dcp_best": first["bcp_fork"]["stall_s"] / first["dcp_best"]["stall_s"],
+            "stall_first_prepared_over_dcp": first["bcp_prepared"]["stall_s"] / first["dcp"]["stall_s"],
+            "stall_first_prepared_over_dcp_best": first["bcp_prepared"]["stall_s"] / first["dcp_best"]["stall_s"],
             "stall_plus_next_step_fork_over_copy":
                 (first["bcp_fork"]["stall_s"] + first["bcp_fork"]["step_after_s"])
                 / (first["bcp"]["stall_s"] + first["bcp"]["step_after_s"]),
-            "save_bw_bcp_over_disk": floors["disk_write_s"] / e2e["bcp_save_s"],
+            "save_bw_bcp_over_disk": e2e["disk_write_s"] / e2e["bcp_save_s"],
             "save_speedup_vs_dcp": e2e["dcp_save_s"] / e2e["bcp_save_s"],
             "load_speedup_vs_dcp": dcp_r["load_s"] / bcp_r["load_s"],
             "load_bcp_over_page_cache": bcp_r["load_s"] / floor_read,
             "resharded_load_speedup_vs_dcp": dcp_r["load_resharded_s"] / bcp_r["load_resharded_s"],
             "resharded_load_bcp_over_resharded_floor": bcp_r["load_resharded_s"] / floor_resh,
             "resharded_load_bcp_over_page_cache": bcp_r["load_resharded_s"] / floor_read,
-            "resharded_shared_load_speedup_vs_dcp": dcp_r["load_resharded_s"] / bcp_r["load_resharded_shared_s"],
-            "resharded_shared_load_bcp_over_resharded_floor": bcp_r["load_resharded_shared_s"] / floor_resh,
-            "resharded_shared_load_bcp_over_page_cache": bcp_r["load_resharded_shared_s"] / floor_read,
+            "resharded_unshared_load_speedup_vs_dcp": dcp_r["load_resharded_s"] / bcp_r["load_resharded_unshared_s"],
+            "resharded_unshared_load_bcp_over_resharded_floor": bcp_r["load_resharded_unshared_s"] / floor_resh,
         },
-        "bandwidth_gib_s": {"disk_write": args.gib / floors["disk_write_s"],
+        "bandwidth_gib_s": {"disk_write": args.gib / e2e["disk_write_s"],
                             "bcp_save": args.gib / e2e["bcp_save_s"], "dcp_save": args.gib / e2e["dcp_save_s"]},
     }
     text = json.dumps(table, indent=2)

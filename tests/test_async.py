@@ -1,4 +1,4 @@
-"""Asynchronous saves: values as of the call, plan cache, error propagation, flat memory, roles."""
+"""Asynchronous saves: values as of the call, plan cache, prepare_save, error propagation, flat memory, roles."""
 
 from __future__ import annotations
 
@@ -89,6 +89,27 @@ def _async_scenarios(rank, world_size, root):
              on_commit=committed.append).wait()
     assert committed == [os.path.join(root, "b", "step_00000004")]
     assert open(os.path.join(root, "b", "latest")).read() == "step_00000004"
+
+    # 4. prepare_save: planned ahead, buffers touched in the background; the first save then
+    #    performs no planning collective and copies into those buffers, with the values of its call.
+    prep = ckp.get_checkpointer("prepare-test")
+    state = {"model": model, "optimizer": optim}
+    bcp.prepare_save(state, role="prepare-test").result()
+    out["prepared_plans"] = prep.stats["plans"]
+    warmed = [b.data_ptr() for b in prep._pool._slots[0]]
+    comm = next(iter(prep._comms.values()))
+    before = comm.collectives
+    snapshots, handles = [copy.deepcopy(full_state(model, optim))], [
+        bcp.save(os.path.join(root, "p"), state, step=0, async_save=True, role="prepare-test")]
+    train(model, optim, range(5, 6))
+    _assert_each_holds_its_call(handles, snapshots, rank, "prepared save")
+    out["prepared_first_save"] = {"plans": prep.stats["plans"], "collectives": comm.collectives - before,
+                                  "same_buffers": [b.data_ptr() for b in prep._pool._slots[0]] == warmed}
+    # a planning error on one rank fails prepare_save on every rank, naming it
+    bad = {"x": {1, 2}} if rank == 1 else {"x": [1, 2]}
+    with pytest.raises(bcp.SaveError, match=r"prepare_save \(role 'prepare-test'\) planned nothing: rank 1: "
+                                            r"UnsupportedValueError"):
+        bcp.prepare_save(bad, role="prepare-test")
     return out
 
 
@@ -98,6 +119,8 @@ def test_async_saves_plan_cache_and_errors(tmp_path):
         assert r["plans"] == 1 and r["hits"] == 2          # 3 saves of one structure: 1 plan
         assert r["collectives_cached_save"] == 2           # gather(report) + broadcast(commit) only
         assert r["plans_after_change"] == 2
+        assert r["prepared_plans"] == 1
+        assert r["prepared_first_save"] == {"plans": 1, "collectives": 2, "same_buffers": True}
 
 
 def _rss_bytes() -> int:

@@ -68,15 +68,19 @@ def _verification_sharing(rank, root) -> dict:
     path = os.path.join(root, "resharded")
     bcp.save(path, {"w": distribute_tensor(full, mesh, [Shard(0)])}).wait()
     out: dict = {}
-    for share in (False, True):
+    # share_reads=None (default) shares: the target holds a DTensor over the whole group
+    for share in (False, True, None, "plain"):
         target = {"w": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(1)])}
+        if share == "plain":  # plain tensors on one host: by default each rank loads on its own
+            target = {"w": torch.zeros(ROWS, COLS)}
         hashed: list = []
         real = _counting(engine, "checksum", hashed, lambda data: len(data))
         try:
-            bcp.load(path, target, share_reads=share)
+            bcp.load(path, target, share_reads=None if share == "plain" else share)
         finally:
             engine.checksum = real
-        assert torch.equal(target["w"].to_local(), full[:, rank * COLS // 2:(rank + 1) * COLS // 2])
+        expected = full if share == "plain" else full[:, rank * COLS // 2:(rank + 1) * COLS // 2]
+        assert torch.equal(target["w"] if share == "plain" else target["w"].to_local(), expected)
         out[f"hashed_bytes_shared_{share}"] = sum(hashed)
     # One flipped byte: whichever rank verifies that block, every rank fails the load.
     md = bcp.inspect(path)
@@ -117,13 +121,16 @@ def test_each_byte_range_read_once_across_hosts(results):
     assert sum(r[2] - r[1] for r in every) == tensor_bytes  # every saved byte read exactly once
 
 
-def test_each_block_verified_once_on_one_host(results):
+def test_each_block_verified_once_on_one_host_by_default_for_dtensors(results):
     _, per_rank = results
     total = ROWS * COLS * 4
     # without sharing both ranks hash the whole checkpoint (each needs half of every block) ...
     assert [r["hashed_bytes_shared_False"] for r in per_rank] == [total, total]
     # ... with it, each block is hashed by one rank, and the work is split evenly
     assert [r["hashed_bytes_shared_True"] for r in per_rank] == [total // 2, total // 2]
+    # the default shares for DTensors over the whole group, not for plain tensors
+    assert [r["hashed_bytes_shared_None"] for r in per_rank] == [total // 2, total // 2]
+    assert [r["hashed_bytes_shared_plain"] for r in per_rank] == [total, total]
 
 
 def test_a_corrupted_block_fails_the_load_on_every_rank(results):
