@@ -130,13 +130,18 @@ def _tiny_trainer(trainer_cls, tmp_path, callbacks, **targs):
 def test_hf_callback_alone_saves_with_bcp_and_best_needs_the_mixin(tmp_path, monkeypatch):
     from transformers import Trainer, TrainerCallback
 
+    from bcp_core.checkpointer import get_checkpointer
     from bcp_integrations.hf import BCPCallback, BCPTrainer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     # the callback alone: steps checkpoints are bcp's, save_total_limit applies
     trainer = _tiny_trainer(Trainer, tmp_path / "cb", [BCPCallback()], max_steps=4, save_strategy="steps",
                             save_steps=2, save_total_limit=1)
+    stats = dict(get_checkpointer().stats)
     trainer.train()
+    # prepared after the first step: that was the only planning, both saves reused its plan
+    assert get_checkpointer().stats["plans"] - stats["plans"] == 1
+    assert get_checkpointer().stats["cache_hits"] - stats["cache_hits"] == 2
     assert os.listdir(tmp_path / "cb") == ["checkpoint-4"]
     ckpt = tmp_path / "cb" / "checkpoint-4"
     assert {"model.model.embed_tokens.weight", "optimizer.param_groups", "scheduler.last_epoch"} <= bcp.inspect(

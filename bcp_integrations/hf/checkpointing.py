@@ -34,7 +34,9 @@ class BCPCallback(TrainerCallback):
 
     Args:
         async_save: return once the state is staged; the write finishes in the background. The
-            next save, a load and the end of training wait for it.
+            next save, a load and the end of training wait for it. After the first optimizer
+            step (the optimizer's state exists then) the callback calls ``bcp.prepare_save``, so
+            the first checkpoint stalls training no longer than later ones.
         num_threads: I/O threads per rank.
     """
 
@@ -44,6 +46,7 @@ class BCPCallback(TrainerCallback):
         self.trainer: Trainer | None = None  # set by BCPTrainerMixin
         self._pending: bcp.SaveHandle | None = None
         self._pending_rotation: tuple[str, int | None, str | None] | None = None
+        self._prepared = False
         self._metrics = metrics.LatestScalars()  # timings of this rank's saves and loads, for on_log
 
     # -- callback events ------------------------------------------------------------------------
@@ -64,6 +67,9 @@ class BCPCallback(TrainerCallback):
                              "callbacks run; use BCPTrainer (or BCPTrainerMixin) for it")
 
     def on_step_end(self, args, state, control, **kwargs):
+        if self.async_save and not self._prepared:
+            self._prepared = True
+            bcp.prepare_save(self._state_to_save(state, *self._objects(kwargs)))
         self._take_over_save(args, state, control, kwargs)
 
     def on_epoch_end(self, args, state, control, **kwargs):
@@ -77,8 +83,16 @@ class BCPCallback(TrainerCallback):
         if self.trainer is not None or not control.should_save:
             return
         output_dir = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        self.save(output_dir, args, state, kwargs["model"], kwargs["optimizer"], kwargs["lr_scheduler"])
+        self.save(output_dir, args, state, *self._objects(kwargs))
         control.should_save = False
+
+    def _objects(self, kwargs) -> tuple:
+        """What a save of this run holds: model, optimizer, scheduler, scaler, dataloader."""
+        t = self.trainer
+        if t is None:
+            return kwargs["model"], kwargs["optimizer"], kwargs["lr_scheduler"], None, None
+        return t.model_wrapped, t.optimizer, t.lr_scheduler, getattr(t.accelerator, "scaler", None), \
+            t.bcp_train_dataloader
 
     # -- save -----------------------------------------------------------------------------------
 
@@ -87,15 +101,7 @@ class BCPCallback(TrainerCallback):
         """Write checkpoint `output_dir` from every rank (collective). `dataloader`: a train loader
         in bcp's loader protocol (see bcp_core.dataloader.checkpointable), saved per DP rank."""
         self.wait()  # one save in flight; applies the previous save's rotation once it is committed
-        bstate: dict[str, Any] = {"model": model, "optimizer": _unwrap(optimizer),
-                                  "extra_state": {"rng": rng_state()}}
-        if dataloader is not None:
-            bstate["dataloader"] = dataloader
-        if lr_scheduler is not None:
-            bstate["scheduler"] = _unwrap(lr_scheduler, "scheduler")
-        if scaler is not None:
-            bstate["scaler"] = scaler
-        bstate["trainer_state"] = json.dumps(dataclasses.asdict(state), sort_keys=True)
+        bstate = self._state_to_save(state, model, optimizer, lr_scheduler, scaler, dataloader)
         handle = bcp.save(output_dir, bstate, async_save=self.async_save, num_threads=self.num_threads)
         if args.should_save:
             # Small files HF needs to see: trainer_state.json (read by train() to find the step and
@@ -111,6 +117,19 @@ class BCPCallback(TrainerCallback):
         if not self.async_save:
             self.wait()
         return handle
+
+    @staticmethod
+    def _state_to_save(state, model, optimizer, lr_scheduler, scaler, dataloader) -> dict[str, Any]:
+        bstate: dict[str, Any] = {"model": model, "optimizer": _unwrap(optimizer),
+                                  "extra_state": {"rng": rng_state()}}
+        if dataloader is not None:
+            bstate["dataloader"] = dataloader
+        if lr_scheduler is not None:
+            bstate["scheduler"] = _unwrap(lr_scheduler, "scheduler")
+        if scaler is not None:
+            bstate["scaler"] = scaler
+        bstate["trainer_state"] = json.dumps(dataclasses.asdict(state), sort_keys=True)
+        return bstate
 
     def wait(self) -> None:
         """Block until the save in flight is committed (re-raising its error), then rotate."""
