@@ -19,8 +19,8 @@ from .storage import LocalStorage, Storage, register_storage, storage_for
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "prepare_save", "load", "inspect", "resolve", "rng", "SaveHandle", "LoadResult", "CheckpointMetadata", "TensorMeta",
-    "Piece", "FORMAT_VERSION", "Storage", "LocalStorage", "register_storage", "storage_for",
+    "save", "prepare_save", "load", "inspect", "resolve", "rng", "SaveHandle", "LoadResult", "CheckpointMetadata",
+    "TensorMeta", "Piece", "FORMAT_VERSION", "Storage", "LocalStorage", "register_storage", "storage_for",
     "BCPError", "ChecksumError", "FormatVersionError", "IncompleteCheckpointError", "KeyMismatchError",
     "MetadataError", "NotACheckpointError", "PickleNotAllowedError", "PlanError", "SaveError",
     "ShapeMismatchError", "StorageError", "UnsafePathError", "UnsupportedValueError",

@@ -255,13 +255,11 @@ class Checkpointer:
         self._warming = ready
 
         def warm() -> None:
-            ready.set_running_or_notify_cancel()
             try:
                 self._pool.warm_up(_pool_key(plan, boxes), _sources(plan, boxes))
-                ready.set_result(None)
-            except BaseException as e:  # noqa: BLE001 - the first save allocates its buffers itself then
+            except Exception as e:  # noqa: BLE001 - the first save allocates its buffers itself then
                 log.warning("bcp: preparing the staging buffers of role %r failed: %s", self.role, e)
-                ready.set_result(None)
+            ready.set_result(None)
 
         threading.Thread(target=warm, name=f"bcp-prepare-{self.role}").start()
         return ready

@@ -158,7 +158,8 @@ def _floors(gib, root):
             del flat
 
     resharded_s = min(_timed(read_resharded) for _ in range(3))
-    return {"copy_first_s": copy_first, "copy_s": copy_steady, "page_cache_read_s": read_s, "page_cache_read_resharded_s": resharded_s}
+    return {"copy_first_s": copy_first, "copy_s": copy_steady, "page_cache_read_s": read_s,
+            "page_cache_read_resharded_s": resharded_s}
 
 
 def _first(gib, root, system):
@@ -332,8 +333,10 @@ def _run(what, ranks, gib, root):
     for p in procs:
         p.start()
     res = queue.get(timeout=3600)
-    for p in procs:
+    for rank, p in enumerate(procs):
         p.join()
+        if p.exitcode:
+            print(f"bench: {what}: rank {rank} exited with code {p.exitcode} after reporting", file=sys.stderr)
     return res
 
 
