@@ -319,10 +319,11 @@ def _worker(rank, ws, port, what, gib, root, queue):
             res = {"floors": _floors, "bcp": _bcp, "dcp": _dcp, "e2e": _e2e}[what](gib, root)
         if rank == 0:
             queue.put(res)
-        # A gloo worker thread frees the last all_reduce's work (and its tensor, which needs the GIL)
+        # A gloo worker thread frees the last collective's work (and its tensor, which needs the GIL)
         # just after the caller returns; if the interpreter is finalizing by then, the process
-        # aborts. Waiting on a barrier releases the GIL until that is done.
+        # aborts. Sleeping releases the GIL so that the thread finishes first.
         dist.barrier()
+        time.sleep(0.2)
     finally:
         dist.destroy_process_group()
 
