@@ -249,14 +249,15 @@ class Checkpointer:
         cached = self._plan(comm, None, plan, error)  # every rank plans: a cache hit on some only would hang
         ready: Future = Future()
         boxes = cached.assignment["write"]
-        if not async_save or self._pool.warm(_pool_key(plan, boxes)):
+        key = _pool_key(plan, boxes)
+        if not async_save or self._pool.warm(key):
             ready.set_result(None)
             return ready
         self._warming = ready
 
         def warm() -> None:
             try:
-                self._pool.warm_up(_pool_key(plan, boxes), _sources(plan, boxes))
+                self._pool.warm_up(key, _sources(plan, boxes))
             except Exception as e:  # noqa: BLE001 - the first save allocates its buffers itself then
                 log.warning("bcp: preparing the staging buffers of role %r failed: %s", self.role, e)
             ready.set_result(None)

@@ -108,6 +108,17 @@ def _stall_then_wait(save_fn) -> float:
     return _max(stall)
 
 
+def _write_fsynced(path: str, tensors) -> None:
+    """The disk's floor: the tensors' bytes written sequentially into `path`, then fsync'd."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for t in tensors:
+        mv = memoryview(t.view(-1).view(torch.uint8).numpy())
+        while len(mv):
+            mv = mv[os.write(fd, mv):]
+    os.fsync(fd)
+    os.close(fd)
+
+
 def _floors(gib, root):
     rank = dist.get_rank()
     state = _state(gib, "shard0")
@@ -117,16 +128,7 @@ def _floors(gib, root):
     copy_steady = min(_timed(lambda: [d.copy_(s) for d, s in zip(dst, locals_)]) for _ in range(3))
     path = os.path.join(root, f"floor_r{rank}.bin")
 
-    def write():
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        for t in locals_:
-            mv = memoryview(t.view(-1).view(torch.uint8).numpy())
-            while len(mv):
-                mv = mv[os.write(fd, mv):]
-        os.fsync(fd)
-        os.close(fd)
-
-    write()  # the file the read floors read (the disk floor is measured in _e2e)
+    _write_fsynced(path, locals_)  # the file the read floors read (the disk floor is measured in _e2e)
 
     def read():
         fd = os.open(path, os.O_RDONLY)
@@ -278,19 +280,10 @@ def _e2e(gib, root):
     locals_ = [t.to_local() for t in state.values()]
     rank = dist.get_rank()
 
-    def write(path):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        for t in locals_:
-            mv = memoryview(t.view(-1).view(torch.uint8).numpy())
-            while len(mv):
-                mv = mv[os.write(fd, mv):]
-        os.fsync(fd)
-        os.close(fd)
-
     outputs = {"disk": lambda k: os.path.join(root, f"e2e_disk_{k}_r{rank}.bin"),
                "bcp": lambda k: os.path.join(root, f"e2e_bcp_{k}"),
                "dcp": lambda k: os.path.join(root, f"e2e_dcp_{k}")}
-    run = {"disk": lambda k: write(outputs["disk"](k)),
+    run = {"disk": lambda k: _write_fsynced(outputs["disk"](k), locals_),
            "bcp": lambda k: bcp.save(outputs["bcp"](k), state, role="e2e"),
            "dcp": lambda k: dcp.save(state, checkpoint_id=outputs["dcp"](k))}
     times: dict[str, list[float]] = {"disk": [], "bcp": [], "dcp": []}
@@ -301,7 +294,10 @@ def _e2e(gib, root):
             # writer then lands on blocks freed alike, not one on recycled blocks and one on new ones.
             if k and (name == "disk" or rank == 0):
                 old = outputs[name](k - 1)
-                os.remove(old) if name == "disk" else shutil.rmtree(old)
+                if name == "disk":
+                    os.remove(old)
+                else:
+                    shutil.rmtree(old)
             dist.barrier()
             times[name].append(_timed(lambda: run[name](k)))
     return {"disk_write_s": min(times["disk"]), "bcp_save_first_s": times["bcp"][0], "bcp_save_s": min(times["bcp"]),

@@ -87,7 +87,8 @@ class BCPCallback(TrainerCallback):
         control.should_save = False
 
     def _objects(self, kwargs) -> tuple:
-        """What a save of this run holds: model, optimizer, scheduler, scaler, dataloader."""
+        """What a save of this run holds: model, optimizer, scheduler, scaler, dataloader (from the
+        Trainer with BCPTrainerMixin, else from the callback event's kwargs)."""
         t = self.trainer
         if t is None:
             return kwargs["model"], kwargs["optimizer"], kwargs["lr_scheduler"], None, None
@@ -204,8 +205,7 @@ class BCPTrainerMixin:
             if self.state.best_global_step == self.state.global_step or os.path.isdir(best):
                 self.state.best_model_checkpoint = best
         self._update_exportable_callbacks()
-        self.bcp.save(output_dir, self.args, self.state, self.model_wrapped, self.optimizer, self.lr_scheduler,
-                      getattr(self.accelerator, "scaler", None), self.bcp_train_dataloader)
+        self.bcp.save(output_dir, self.args, self.state, *self.bcp._objects({}))
 
     def _update_exportable_callbacks(self) -> None:
         from transformers.trainer_callback import ExportableState
