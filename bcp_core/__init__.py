@@ -6,6 +6,7 @@
     bcp.prepare_save(state, async_save=True)  # optional: first async save stalls like later ones
     bcp.load(path, state)                     # in place, at any world size / sharding
     bcp.inspect(path)                         # metadata only
+    preemption = bcp.handle_preemption()      # SIGTERM -> last checkpoint at an agreed step -> exit
 """
 
 from . import rng
@@ -13,13 +14,14 @@ from .api import LoadResult, SaveHandle, inspect, load, prepare_save, resolve, s
 from .errors import (BCPError, ChecksumError, FormatVersionError, IncompleteCheckpointError,
                      KeyMismatchError, MetadataError, NotACheckpointError, PickleNotAllowedError, PlanError,
                      SaveError, ShapeMismatchError, StorageError, UnsafePathError, UnsupportedValueError)
+from .preemption import Preemption, handle_preemption
 from .metadata import FORMAT_VERSION, CheckpointMetadata, Piece, TensorMeta
 from .storage import LocalStorage, Storage, register_storage, storage_for
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "prepare_save", "load", "inspect", "resolve", "rng", "SaveHandle", "LoadResult", "CheckpointMetadata",
+    "save", "prepare_save", "load", "inspect", "resolve", "rng", "handle_preemption", "Preemption", "SaveHandle", "LoadResult", "CheckpointMetadata",
     "TensorMeta", "Piece", "FORMAT_VERSION", "Storage", "LocalStorage", "register_storage", "storage_for",
     "BCPError", "ChecksumError", "FormatVersionError", "IncompleteCheckpointError", "KeyMismatchError",
     "MetadataError", "NotACheckpointError", "PickleNotAllowedError", "PlanError", "SaveError",

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import secrets
+import sys
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -232,6 +233,7 @@ class Checkpointer:
                 rec.run(self._stage, job)
         handle = SaveHandle(ckpt.root, self._start(rec.run, self._run, comm, job, finish=True), rec)
         self._pending.append((handle, job))
+        _register_exit_flush()  # at every async save: a pool library imported since must not run first
         return handle
 
     def prepare(self, state: dict, framework: str = "auto", async_save: bool = True, *, process_group=None,
@@ -797,14 +799,65 @@ def get_checkpointer(role: str = "default") -> Checkpointer:
         return _CHECKPOINTERS[role]
 
 
-@atexit.register
-def _flush_at_exit() -> None:
-    """Finish queued asynchronous saves before the interpreter exits; say so if one fails."""
+def finish_pending_saves() -> list[tuple[str, BaseException]]:
+    """Block until every queued asynchronous save of every role is committed or has failed.
+
+    Returns the failures the caller has not seen yet (path, error); a failure already raised by
+    `wait()` or a later `save` is not repeated.
+    """
+    failed = []
     for cp in list(_CHECKPOINTERS.values()):
         for handle, _ in list(cp._pending):
             if not handle.done():
-                log.warning("bcp: waiting for the asynchronous save to %s to finish before exit", handle.path)
+                log.info("bcp: waiting for the asynchronous save to %s to commit", handle.path)
             exc = handle._future.exception()
             if exc is not None and not handle._error_seen:
-                log.warning("bcp: the asynchronous save to %s failed and was not committed: %s", handle.path, exc)
+                handle._error_seen = True
+                failed.append((handle.path, exc))
+    return failed
 
+
+def _flush_at_exit() -> None:
+    """At interpreter exit: commit every asynchronous save still in flight, or exit non-zero.
+
+    Runs as a `threading` exit hook, registered after concurrent.futures' own: those hooks run
+    newest first, before non-daemon threads are joined and before `atexit` handlers. So the
+    saves finish while thread pools (bcp's I/O threads, fsspec's event loop executors) still
+    accept work; after concurrent.futures' hook, any new pool refuses it.
+    """
+    failed = finish_pending_saves()
+    if not failed:
+        return
+    rank = _global_rank()
+    for path, exc in failed:
+        log.error("bcp: rank %d exits with status %d: the asynchronous save to %s was not committed: %s",
+                  rank, EXIT_SAVE_FAILED, path, exc)
+    # The exit status is fixed before exit hooks run; the only way to report the loss is to end
+    # the process here, after the atexit handlers and a flush of the standard streams.
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(EXIT_SAVE_FAILED)
+
+
+EXIT_SAVE_FAILED = 1
+
+
+def _register_exit_flush() -> None:
+    """Make `_flush_at_exit` the newest threading exit hook (it then runs first)."""
+    hooks = getattr(threading, "_threading_atexits", None)
+    if hooks and hooks[-1] is _flush_at_exit:
+        return
+    try:
+        threading._register_atexit(_flush_at_exit)
+    except (AttributeError, RuntimeError):  # no such hook, or the interpreter is already shutting down
+        atexit.register(_flush_at_exit)
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

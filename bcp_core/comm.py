@@ -300,6 +300,21 @@ class Comm:
         combined = self._up(base, _encode(obj), phase)
         return _decode(self._down(base, _ALL + combined if combined is not None else None, phase)[1:])
 
+    # -- a value the first proposer fixes for every rank (no waiting) ---------------------------
+
+    def propose(self, name: str, value: str) -> str:
+        """Set `name` to `value` unless some rank set it first; returns the value that holds."""
+        if not self.distributed:
+            return value
+        return self._store.compare_set(f"{self._prefix}{name}", "", value).decode()
+
+    def peek(self, name: str) -> str | None:
+        """The value of `name` if some rank proposed one, without waiting (one store round trip)."""
+        if not self.distributed:
+            return None
+        key = f"{self._prefix}{name}"
+        return self._store.get(key).decode() if self._store.check([key]) else None
+
     def barrier(self, phase: str = "barrier") -> None:
         if not self.distributed:
             self.collectives += 1

@@ -105,3 +105,83 @@ def losses_by_rank(d, rank: int = 0) -> dict[int, float]:
     import json
     with open(os.path.join(d, f"losses_rank{rank}.json")) as f:
         return {step: loss for step, loss in json.load(f)}
+
+
+JOBS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs")
+
+
+class Job:
+    """A training job under torchrun, as a cluster runs one: started, maybe signalled, waited for.
+
+    `launch` starts `tests/jobs/<name> *args` on `nproc` processes in a session of its own, so a
+    hung job is killed whole when `finish` times out.
+    """
+
+    def __init__(self, name: str, nproc: int, *args: str, env: dict | None = None):
+        import subprocess
+        import sys
+        import tempfile
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               os.path.join(JOBS, name), *args]
+        full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        full_env.update(env or {})
+        self.name = name
+        self._out = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(cmd, env=full_env, stdout=self._out, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.output = ""
+
+    def wait_for(self, path: str, predicate, timeout: float = 120) -> None:
+        """Until the file `path` exists and `predicate(its text)` holds (the job must still run)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.name} ended (status {self.proc.returncode}) before {path} was "
+                                     f"ready:\n{self.read_output()[-6000:]}")
+            try:
+                with open(path) as f:
+                    text = f.read()
+                if text and predicate(text):
+                    return
+            except FileNotFoundError:
+                pass
+            time.sleep(0.05)
+        self.kill()
+        raise TimeoutError(f"{path} not ready within {timeout}s")
+
+    def signal(self, signum: int, pid: int | None = None) -> None:
+        """Send `signum` to torchrun (which forwards it to every worker), or to process `pid` only."""
+        os.kill(pid if pid is not None else self.proc.pid, signum)
+
+    def finish(self, timeout: float = 180) -> int:
+        """Wait for the job; its exit status (the output is in `.output`)."""
+        import subprocess
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise TimeoutError(f"{self.name} did not end within {timeout}s:\n{self.read_output()[-6000:]}") from None
+        self.output = self.read_output()
+        return self.proc.returncode
+
+    def read_output(self) -> str:
+        self._out.seek(0)
+        return self._out.read()
+
+    def kill(self) -> None:
+        import signal
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def bcp_verify(path: str) -> str:
+    """`bcp verify PATH` as a user runs it; its output, asserting it passed."""
+    import subprocess
+    import sys
+    bcp_cli = os.path.join(os.path.dirname(sys.executable), "bcp")
+    proc = subprocess.run([bcp_cli, "verify", path], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"bcp verify {path} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
