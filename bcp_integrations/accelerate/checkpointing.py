@@ -22,13 +22,20 @@ _active = threading.local()  # .checkpointer during a registered save_state/load
 
 
 class BCPAccelerateCheckpointer:
-    """Created by `register`. `wait()` blocks until the last asynchronous save is committed."""
+    """Created by `register`. `wait()` blocks until the last asynchronous save is committed.
 
-    def __init__(self, accelerator: Accelerator, async_save: bool = True, num_threads: int = 4):
+    With ``preemption=True``, ``preemption`` is bcp's `Preemption` (SIGTERM handler) and
+    ``stop_requested()`` is the check the training loop makes once per step (Accelerate has no
+    step hooks of its own).
+    """
+
+    def __init__(self, accelerator: Accelerator, async_save: bool = True, num_threads: int = 4,
+                 preemption: bool = False):
         self.accelerator = accelerator
         self.async_save = async_save
         self.num_threads = num_threads
         self.last_save: bcp.SaveHandle | None = None
+        self.preemption: bcp.Preemption | None = bcp.handle_preemption() if preemption else None
         self._real: dict[str, Any] | None = None
         self._loaded_step: int | None = None
         self.handles = [accelerator.register_save_state_pre_hook(self._save_hook),
@@ -41,6 +48,14 @@ class BCPAccelerateCheckpointer:
         handle, self.last_save = self.last_save, None
         if handle is not None:
             handle.wait()
+
+    def stop_requested(self) -> bool:
+        """Call once per step on every process: True on all of them at the same step once any
+        received SIGTERM. Then ``accelerator.save_state(dir)`` and ``self.preemption.exit()``
+        (commits the save, exits 143)."""
+        if self.preemption is None:
+            raise RuntimeError("stop_requested() needs register(accelerator, preemption=True)")
+        return self.preemption.stop_requested()
 
     # -- wrapping ---------------------------------------------------------------------------
 
@@ -118,7 +133,8 @@ class BCPAccelerateCheckpointer:
         models.clear()
 
 
-def register(accelerator: Accelerator, async_save: bool = True, num_threads: int = 4) -> BCPAccelerateCheckpointer:
+def register(accelerator: Accelerator, async_save: bool = True, num_threads: int = 4,
+             preemption: bool = False) -> BCPAccelerateCheckpointer:
     """Make ``accelerator.save_state(dir)`` / ``load_state(dir)`` go through bcp on every rank.
 
     Models (DDP or FSDP), optimizers, LR schedulers, the GradScaler, ``register_for_checkpointing``
@@ -126,12 +142,20 @@ def register(accelerator: Accelerator, async_save: bool = True, num_threads: int
     (epoch; sampler seed and epoch; a stateful dataloader's state) are saved as one bcp checkpoint
     in ``dir``; Accelerate writes none of its own files. ``load_state`` works at any number of
     processes. Saves are asynchronous by default: the next save_state/load_state, ``end_training``
-    and the returned object's ``wait()`` wait for them.
+    and the returned object's ``wait()`` wait for them, and one still in flight when the script
+    ends is committed before the process exits.
+
+    ``preemption=True`` installs `bcp.handle_preemption()` (call ``register`` from the main thread
+    of every process); the loop then asks ``ckpt.stop_requested()`` after each step and, when it
+    is True, calls ``accelerator.save_state(dir)`` and ``ckpt.preemption.exit()``.
     """
     if getattr(accelerator, "_bcp_checkpointer", None) is not None:
-        return accelerator._bcp_checkpointer
+        ckpt = accelerator._bcp_checkpointer
+        if preemption and ckpt.preemption is None:
+            ckpt.preemption = bcp.handle_preemption()
+        return ckpt
     _install_skips()
-    ckpt = BCPAccelerateCheckpointer(accelerator, async_save, num_threads)
+    ckpt = BCPAccelerateCheckpointer(accelerator, async_save, num_threads, preemption)
     accelerator._bcp_checkpointer = ckpt
     return ckpt
 

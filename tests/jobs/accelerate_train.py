@@ -1,0 +1,127 @@
+"""A 2-process Accelerate training job (MULTI_CPU, DDP on gloo) saving through bcp, ended the ways
+real jobs end.
+
+    torchrun --nproc_per_node 2 tests/jobs/accelerate_train.py --root DIR [--steps N] [--end HOW]
+        [--preemption] [--resume DIR] [--step-delay S]
+
+The only bcp line is `register(accelerator, ...)`; checkpoints are `accelerator.save_state(dir)`
+(asynchronous, the integration's default) into DIR/step_<step>. --end: how the process ends right
+after its last save_state: "script" (falls off the end), "end_training" (`accelerator.end_training()`,
+then falls off the end), "sys_exit" (sys.exit(0)), "exception" (an uncaught exception). With
+--preemption, `register(accelerator, preemption=True)`: on SIGTERM the job saves at the step every
+process agrees on and exits 143. Each step writes DIR/progress_rank<r> ("<step reached> <pid>");
+DIR/reference_<step>.pt holds, from process 0, the values the checkpoint of <step> must hold.
+--resume DIR continues from `accelerator.load_state(DIR)` to --steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch import nn
+
+from bcp_integrations.accelerate import register
+
+
+class Progress:
+    """The step counter, checkpointed with `register_for_checkpointing` (saved as `custom`)."""
+
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, sd):
+        self.step = sd["step"]
+
+
+class Bulk:
+    """Extra state that makes the save take a while (saved as `custom_1`); loaded back exactly."""
+
+    def __init__(self, mib: int):
+        self.t = torch.arange(mib * 2**18, dtype=torch.float32).reshape(-1, 1024)
+
+    def state_dict(self):
+        return {"t": self.t}
+
+    def load_state_dict(self, sd):
+        self.t = sd["t"]
+
+
+def build(seed: int = 0, mib: int = 4):
+    """Model, optimizer, scheduler and checkpointed objects, as the job and the test build them."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Dropout(0.1), nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    return model, opt, sched, Progress(), Bulk(mib)
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(8, 16, generator=g)
+    return x, x.sum(dim=1, keepdim=True).sin()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--root", required=True)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--end", default="script", choices=["script", "end_training", "sys_exit", "exception"])
+    p.add_argument("--preemption", action="store_true")
+    p.add_argument("--resume", default=None, help="accelerator.load_state directory")
+    p.add_argument("--step-delay", type=float, default=0.0)
+    args = p.parse_args()
+
+    accelerator = Accelerator(cpu=True)
+    ckpt = register(accelerator, preemption=args.preemption)
+    set_seed(0)
+    model, opt, sched, progress, bulk = build()
+    model, opt, sched = accelerator.prepare(model, opt, sched)
+    accelerator.register_for_checkpointing(progress)
+    accelerator.register_for_checkpointing(bulk)
+    if args.resume:
+        accelerator.load_state(args.resume)
+    rank = accelerator.process_index
+
+    def save(step: int) -> None:
+        accelerator.save_state(os.path.join(args.root, f"step_{step:08d}"))
+        if accelerator.is_main_process:  # what the checkpoint must hold, bit for bit
+            torch.save({"model": accelerator.unwrap_model(model).state_dict(), "optimizer": opt.state_dict(),
+                        "scheduler": sched.state_dict(), "step": progress.step, "rng": torch.get_rng_state()},
+                       os.path.join(args.root, f"reference_{step}.pt"))
+
+    while progress.step < args.steps:
+        x, y = batch(progress.step, rank)
+        loss = F.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        progress.step += 1
+        with open(os.path.join(args.root, f"progress_rank{rank}"), "w") as f:
+            f.write(f"{progress.step} {os.getpid()}")
+        time.sleep(args.step_delay)
+        if args.preemption and ckpt.stop_requested():
+            save(progress.step)
+            ckpt.preemption.exit()  # commits the save, exits 143
+
+    save(progress.step)
+    if args.end == "end_training":
+        accelerator.end_training()
+    elif args.end == "sys_exit":
+        sys.exit(0)
+    elif args.end == "exception":
+        raise RuntimeError("the training script failed after its last save_state")
+
+
+if __name__ == "__main__":
+    main()
