@@ -1,4 +1,11 @@
-"""The save pipeline: plan (cached) -> stage -> write -> commit, synchronous or in the background.
+"""The save driver: plan (cached) -> stage -> write -> commit, synchronous or in the background.
+
+    plan = local_save_plan(flatten(state))          # every save: what this rank holds
+    cached = plan cache [plan.key] or _plan(...)    # PlanRequest -> coordinator -> PlanReply
+    stage(plan, assignment)                         # async saves: copy into staging (the stall)
+    ---- the caller returns here for async saves; the rest runs on the role's save thread ----
+    report = write(plan, assignment)                # engine: data files, checksums, fsync
+    commit: gather WriteReports -> build_metadata -> metadata file, tracker -> CommitStatus
 
 One `Checkpointer` per role (e.g. actor / critic / reference in RL post-training) owns its plan
 cache, staging pool, save queue and store-based comms, so several can live in one process.
@@ -13,7 +20,6 @@ a staging buffer and queues its commit; a cache miss first drains the queue.
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import secrets
@@ -23,25 +29,28 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 from datetime import timedelta
 
 import torch
 
-from . import metrics
-from .comm import DEFAULT_TIMEOUT, Comm, CommTimeoutError
+from . import codec, metrics
+from .adapters import resolve_framework
+from .comm import DEFAULT_TIMEOUT, Comm
 from .engine import WriteItem, write_items
-from .errors import BCPError, SaveError
-from .metadata import (CHECKSUM_BLOCK_BYTES, METADATA_FILE, TRACKER_FILE, CheckpointMetadata, ObjectPiece,
-                       ObjectValue, PerRankMeta, Piece, ShardedObjectMeta, TensorMeta, dtype_from_name,
-                       dtype_name)
-from .planner import GlobalSavePlan, LocalSavePlan, digest, gc_paused, global_save_plan, local_save_plan
-from .state import resolve_framework, save_leaves
-from .storage import LocalStorage, Storage, storage_for
+from .errors import BCPError, CommTimeoutError, MetadataError, SaveError
+from .flatten import save_leaves
+from .layout import BCP_STEPS, write_tracker
+from .metadata import CHECKSUM_BLOCK_BYTES, METADATA_FILE, dtype_name
+from .save_planner import (Assignment, CommitStatus, GlobalSavePlan, LocalSavePlan, ObjectShardKey, PlanReply,
+                           PlanRequest, RankValueKey, TensorBoxKey, WriteReport, build_metadata, failed_report,
+                           global_save_plan, local_save_plan)
+from .snapshot import ForkSnapshot, can_fork
+from .staging import StagingPool, box_sources, contiguous_cpu, pool_key
+from .storage import Storage, storage_for
+from .utils import digest, gc_paused, this_rank
 
 log = logging.getLogger("bcp")
 
-STEP_DIR = "step_{:08d}"
 PLAN_CACHE_SIZE = 4
 
 
@@ -74,13 +83,13 @@ class SaveHandle:
 
 @dataclass
 class CachedPlan:
-    assignment: dict                      # this rank's {"write": [[ti, bi]], "shards": [i]}
+    assignment: Assignment                # this rank's
     gplan: GlobalSavePlan | None = None   # coordinator only
     rank_keys: list[str] = field(default_factory=list)  # coordinator only: each rank's structure key
 
 
 @dataclass
-class _Job:
+class SaveJob:
     """Everything a save's write + commit needs, detached from the live state."""
 
     ckpt: Storage
@@ -88,7 +97,6 @@ class _Job:
     tracker_name: str
     plan: LocalSavePlan | None
     cached: CachedPlan | None
-    items: list[WriteItem]
     framework: str
     user_metadata: dict
     num_threads: int
@@ -102,71 +110,6 @@ class _Job:
     staged_per_rank: list | None = None
 
 
-class StagingPool:
-    """Host buffers reused across asynchronous saves: two slots (ping-pong) for the current plan.
-
-    Save k+1 stages into one slot while save k still writes from the other. Buffers are pinned
-    when the source lives on an accelerator, so device-to-host copies run asynchronously.
-    """
-
-    def __init__(self):
-        self._key: tuple | None = None
-        self._slots: list[list[torch.Tensor] | None] = [None, None]
-        self._busy = [False, False]
-        self._lock = threading.Lock()
-
-    def acquire(self, key: tuple, sources: list[torch.Tensor]) -> tuple[int, list[torch.Tensor]] | None:
-        with self._lock:
-            if key != self._key:  # the layout changed: drop buffers of the old plan (none is busy then)
-                self._key, self._slots, self._busy = key, [None, None], [False, False]
-            for i in (0, 1):
-                if not self._busy[i]:
-                    if self._slots[i] is None:
-                        self._slots[i] = [_host_buffer(s) for s in sources]
-                    self._busy[i] = True
-                    return i, self._slots[i]
-            return None
-
-    def release(self, key: tuple, slot: int) -> None:
-        with self._lock:
-            if key == self._key:
-                self._busy[slot] = False
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for slot in self._slots if slot for b in slot)
-
-    def warm(self, key: tuple) -> bool:
-        with self._lock:
-            return key == self._key and any(slot is not None for slot in self._slots)
-
-    def warm_up(self, key: tuple, sources: list[torch.Tensor]) -> None:
-        """Allocate and touch one slot's buffers for `key` before a save needs them."""
-        buffers = [_host_buffer(s) for s in sources]
-        with torch.no_grad():
-            for b in buffers:
-                b.zero_()  # fault the pages in here, not in the next save's copy
-        with self._lock:
-            if key != self._key:
-                self._key, self._slots, self._busy = key, [None, None], [False, False]
-            if self._slots[0] is None and not self._busy[0]:
-                self._slots[0] = buffers
-
-
-def _pool_key(plan: LocalSavePlan, boxes) -> tuple:
-    """Staging buffers fit a structure and the boxes staged from it: a first save stages every box
-    this rank holds, later ones only those assigned to it; without replicas they are the same."""
-    return plan.key, tuple(tuple(tb) for tb in boxes)
-
-
-def _sources(plan: LocalSavePlan, boxes) -> list[torch.Tensor]:
-    return [plan.tensors[ti][1].boxes[bi].view for ti, bi in boxes]
-
-
-def _host_buffer(src: torch.Tensor) -> torch.Tensor:
-    pin = src.device.type == "cuda" and torch.cuda.is_available()
-    return torch.empty(tuple(src.shape), dtype=src.dtype, pin_memory=pin)
-
-
 class Checkpointer:
     """Saves for one role. Use `bcp_core.save(..., role=...)`, which keeps one per role."""
 
@@ -174,7 +117,7 @@ class Checkpointer:
         self.role = role
         self._plans: OrderedDict[str, CachedPlan] = OrderedDict()
         self._pool = StagingPool()
-        self._pending: deque[tuple[SaveHandle, _Job]] = deque()
+        self._pending: deque[tuple[SaveHandle, SaveJob]] = deque()
         self._comms: dict = {}
         self.stats = {"plans": 0, "cache_hits": 0}
         # Data files are named <token>-<save number>-r<rank>_<k>: unique per job and save, so two
@@ -195,18 +138,14 @@ class Checkpointer:
             raise ValueError(f"snapshot must be 'copy' or 'fork', got {snapshot!r}")
         self._raise_background_errors()
         root = storage_for(path, fsync=fsync)
-        name = STEP_DIR.format(step) if step is not None else ""
+        name = BCP_STEPS.name(step) if step is not None else ""
         ckpt = root.child(name) if name else root
         adapter = resolve_framework(state, framework)
         comm = self._comm(process_group, timeout)
         ckpt.makedirs()  # exists when save returns, even if async (callers write files beside it)
         rec = metrics.Recorder("save", comm.rank, ckpt.root)
-        try:
-            with rec.phase("plan"):
-                plan = local_save_plan(save_leaves(state, adapter), comm.rank, allow_pickle)
-            error = None
-        except Exception as e:  # noqa: BLE001 - sent to the coordinator so every rank raises
-            plan, error = None, f"rank {comm.rank}: {type(e).__name__}: {e}"
+        with rec.phase("plan"):
+            plan, error = self._local_plan(state, adapter, comm.rank, allow_pickle)
         cached = self._plans.get(plan.key) if plan is not None else None
         if cached is not None:
             self._plans.move_to_end(plan.key)
@@ -214,9 +153,8 @@ class Checkpointer:
             if comm.is_coordinator:
                 _invalidate(ckpt)
         self._saves += 1
-        job = _Job(ckpt, root, name, plan, cached, [], adapter.name if framework == "auto" else framework,
-                   user_metadata or {}, num_threads, on_commit, number=self._saves, error=error,
-                   recorder=rec)
+        job = SaveJob(ckpt, root, name, plan, cached, adapter.name, user_metadata or {}, num_threads, on_commit,
+                      number=self._saves, error=error, recorder=rec)
         if not async_save:
             self.wait_all()  # its collectives must not interleave with queued background commits
             future: Future = Future()
@@ -227,7 +165,7 @@ class Checkpointer:
                 raise
             return SaveHandle(ckpt.root, future, rec)
         if plan is not None:
-            if snapshot == "fork" and self._pool_is_cold(job) and _can_fork(job):
+            if snapshot == "fork" and self._pool_is_cold(job) and can_fork(job.ckpt, _plan_tensors(plan)):
                 rec.run(self._fork, job)
             else:
                 rec.run(self._stage, job)
@@ -243,15 +181,12 @@ class Checkpointer:
         self._raise_background_errors()
         adapter = resolve_framework(state, framework)
         comm = self._comm(process_group, timeout)
-        try:
-            plan, error = local_save_plan(save_leaves(state, adapter), comm.rank, allow_pickle), None
-        except Exception as e:  # noqa: BLE001 - sent to the coordinator so every rank raises
-            plan, error = None, f"rank {comm.rank}: {type(e).__name__}: {e}"
+        plan, error = self._local_plan(state, adapter, comm.rank, allow_pickle)
         self.wait_all()  # its collectives must not interleave with queued background commits
         cached = self._plan(comm, None, plan, error)  # every rank plans: a cache hit on some only would hang
         ready: Future = Future()
-        boxes = cached.assignment["write"]
-        key = _pool_key(plan, boxes)
+        boxes = cached.assignment.boxes
+        key = pool_key(plan, boxes)
         if not async_save or self._pool.warm(key):
             ready.set_result(None)
             return ready
@@ -259,7 +194,7 @@ class Checkpointer:
 
         def warm() -> None:
             try:
-                self._pool.warm_up(key, _sources(plan, boxes))
+                self._pool.warm_up(key, box_sources(plan, boxes))
             except Exception as e:  # noqa: BLE001 - the first save allocates its buffers itself then
                 log.warning("bcp: preparing the staging buffers of role %r failed: %s", self.role, e)
             ready.set_result(None)
@@ -267,12 +202,139 @@ class Checkpointer:
         threading.Thread(target=warm, name=f"bcp-prepare-{self.role}").start()
         return ready
 
+    def wait_all(self) -> None:
+        """Wait for every queued save; errors are left on the handles (and raised by the next save)."""
+        for handle, _ in list(self._pending):
+            handle._future.exception()  # blocks; the error stays for wait() / the next save
+
+    # -- plan --------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _local_plan(state, adapter, rank: int, allow_pickle: bool) -> tuple[LocalSavePlan | None, str | None]:
+        """This rank's plan, or its error: sent to the coordinator so that every rank raises."""
+        try:
+            return local_save_plan(save_leaves(state, adapter), rank, allow_pickle), None
+        except Exception as e:  # noqa: BLE001 - reported through the plan exchange
+            return None, f"rank {rank}: {type(e).__name__}: {e}"
+
+    def _comm(self, process_group, timeout) -> Comm:
+        key = (id(process_group), timeout)
+        if key not in self._comms:
+            self._comms[key] = Comm(process_group, timeout, tag=self.role)
+        return self._comms[key]
+
+    def _plan(self, comm: Comm, ckpt: Storage | None, plan: LocalSavePlan | None, error: str | None) -> CachedPlan:
+        """Plan collectively and cache the plan. `ckpt` is None when preparing (no checkpoint yet)."""
+        what = f"save to {ckpt.root}" if ckpt is not None else f"prepare_save (role {self.role!r})"
+        request = PlanRequest(None, None, error) if plan is None else PlanRequest(plan.key, plan.structure)
+        try:
+            raw = comm.gather(codec.to_wire(request), "plan")
+        except CommTimeoutError as e:  # tell the ranks that did arrive, then fail everywhere alike
+            comm.broadcast(codec.to_wire(PlanReply(None, None, str(e))), "plan")
+            raise SaveError(f"{what} planned nothing: {e}") from None
+        gplan, requests, replies = None, [], None
+        if comm.is_coordinator:
+            try:
+                requests = _expect(raw, PlanRequest, "reused a cached plan while others re-planned: the state's "
+                                   "structure changed on some ranks only")
+                errors = [r.error for r in requests if r.error]
+                if errors:
+                    raise SaveError("; ".join(errors))
+                gplan = global_save_plan([r.structure for r in requests])
+                if ckpt is not None:
+                    _invalidate(ckpt)
+                    ckpt.makedirs()
+                replies = [codec.to_wire(PlanReply(a, self._token)) for a in gplan.assignments]
+            except Exception as e:  # noqa: BLE001 - sent to every rank so that every rank raises
+                error_reply = codec.to_wire(PlanReply(None, None, _message(e)))
+                replies = [error_reply] * comm.world_size
+        # each rank receives only its own assignment; tree leaders pass on only their subtree's part
+        reply = _received(comm.scatter(replies, "plan"), PlanReply,
+                          f"{what}: this rank re-planned while others reused a cached plan (the state's structure "
+                          "changed on some ranks only)")
+        if reply.error is not None:
+            raise SaveError(f"{what} planned nothing: {reply.error}")
+        self.stats["plans"] += 1
+        self._token = reply.token
+        cached = CachedPlan(reply.assignment, gplan, [r.key for r in requests])
+        self._plans[plan.key] = cached
+        while len(self._plans) > PLAN_CACHE_SIZE:
+            self._plans.popitem(last=False)
+        return cached
+
+    # -- stage -------------------------------------------------------------------------------------
+
+    @metrics.timed("stage", nbytes=lambda _, self, job: sum(b.nbytes for b in job.staged.values()))
+    def _stage(self, job: SaveJob) -> None:
+        """Copy what this rank may write into reused host buffers: the only part of an async save that stalls.
+
+        With a cached plan that is exactly the boxes assigned to this rank. Without one, planning
+        happens in the background, so every box this rank holds is copied (a copy of the local
+        shard: the floor of any snapshot) and the plan picks from them later.
+        """
+        plan = job.plan
+        if job.cached is not None:
+            boxes = [tuple(tb) for tb in job.cached.assignment.boxes]
+        else:
+            boxes = [(ti, bi) for ti, (_, lt) in enumerate(plan.tensors) for bi in range(len(lt.boxes))]
+        sources = box_sources(plan, boxes)
+        key = pool_key(plan, boxes)
+        if self._warming is not None:  # prepare_save's buffers are still being touched: take them when ready
+            self._warming.result()
+            self._warming = None
+        got = self._pool.acquire(key, sources)
+        while got is None:  # both slots in flight: wait for the oldest save
+            self._pending[0][0]._future.exception()  # blocks until the oldest save is done
+            self._raise_background_errors()
+            got = self._pool.acquire(key, sources)
+        slot, buffers = got
+        cuda = False
+        with torch.no_grad():
+            for buf, src in zip(buffers, sources):
+                cuda |= src.device.type == "cuda"
+                buf.copy_(src.detach(), non_blocking=src.device.type == "cuda")
+        if cuda:
+            torch.cuda.current_stream().synchronize()
+        job.staged = dict(zip(boxes, buffers))
+        job.staged_per_rank = [(fqn, t.to("cpu", copy=True)) for fqn, t in plan.per_rank_tensors]
+        job.slot = (key, slot)
+
+    def _pool_is_cold(self, job: SaveJob) -> bool:
+        """No warm staging buffers for this plan yet: a copy would fault in fresh memory."""
+        return job.cached is None or not self._pool.warm(pool_key(job.plan, job.cached.assignment.boxes))
+
+    @metrics.timed("snapshot")
+    def _fork(self, job: SaveJob) -> None:
+        """Snapshot by forking: the child process keeps the state as of now (copy-on-write) and
+        writes this rank's pieces from it, so the stall is the fork, not a copy into fresh memory.
+
+        Used for a save that would otherwise copy into cold buffers (the first of a structure);
+        meanwhile the background thread warms the staging buffers, so later saves copy into
+        touched memory. Needs CPU tensors and a POSIX or memory:// checkpoint path: the child
+        uses no accelerator and no network client.
+        """
+        while sum(1 for _, j in self._pending if j.snapshot is not None and not j.snapshot.closed) >= 2:
+            self._pending[0][0]._future.exception()  # at most two snapshots held, as with staging
+            self._raise_background_errors()
+
+        def write_in_child(orders: dict) -> dict:
+            rank = orders["rank"]
+            rec = metrics.Recorder("save", rank)
+            assignment = codec.from_wire(orders["assignment"], Assignment)
+            # from the child's copy of the state, as of the fork
+            report = rec.run(lambda: _write(job, assignment, None, None, rank, orders["prefix"]))
+            return {"report": codec.to_wire(report), "metrics": rec.records()}
+
+        job.snapshot = ForkSnapshot.start(write_in_child)
+
+    # -- write and commit (on the role's save thread for async saves) ------------------------------
+
     def _start(self, fn, *args, **kwargs) -> Future:
         """Run fn in a background thread of its own, after the previous save of this role finished.
 
         A thread per save rather than a long-lived worker: no bcp thread stays idle into the
         interpreter's shutdown (see storage's note on I/O threads); a save still running at exit
-        is a non-daemon thread, so Python waits for it.
+        is committed by the exit hook (`_flush_at_exit`).
         """
         previous = self._pending[-1][0]._future if self._pending else None
         future: Future = Future()
@@ -289,184 +351,83 @@ class Checkpointer:
         threading.Thread(target=run, name=f"bcp-save-{self.role}").start()
         return future
 
-    def wait_all(self) -> None:
-        """Wait for every queued save; errors are left on the handles (and raised by the next save)."""
-        for handle, _ in list(self._pending):
-            handle._future.exception()  # blocks; the error stays for wait() / the next save
-
-    # -- pipeline ----------------------------------------------------------------------------------
-
-    def _comm(self, process_group, timeout) -> Comm:
-        key = (id(process_group), timeout)
-        if key not in self._comms:
-            self._comms[key] = Comm(process_group, timeout, tag=self.role)
-        return self._comms[key]
-
-    def _plan(self, comm: Comm, ckpt: Storage | None, plan: LocalSavePlan | None, error: str | None) -> CachedPlan:
-        """Plan collectively and cache the plan. `ckpt` is None when preparing (no checkpoint yet)."""
-        what = f"save to {ckpt.root}" if ckpt is not None else f"prepare_save (role {self.role!r})"
-        msg = {"kind": "plan", "error": error} if plan is None else \
-            {"kind": "plan", "key": plan.key, "structure": plan.structure}
-        try:
-            msgs = comm.gather(msg, "plan")
-        except CommTimeoutError as e:  # tell the ranks that did arrive, then fail everywhere alike
-            comm.broadcast({"kind": "plan", "error": str(e)}, "plan")
-            raise SaveError(f"{what} planned nothing: {e}") from None
-        reply: dict = {}
-        gplan = None
-        if comm.is_coordinator:
-            try:
-                kinds = {m["kind"] for m in msgs}
-                if kinds != {"plan"}:
-                    late = [r for r, m in enumerate(msgs) if m["kind"] != "plan"]
-                    raise SaveError(f"ranks {late} reused a cached plan while others re-planned: the state's "
-                                    "structure changed on some ranks only")
-                errors = [m["error"] for m in msgs if m.get("error")]
-                if errors:
-                    raise SaveError("; ".join(errors))
-                gplan = global_save_plan([m["structure"] for m in msgs])
-                if ckpt is not None:
-                    _invalidate(ckpt)
-                    ckpt.makedirs()
-                reply = {"kind": "plan", "assignments": gplan.assignments, "token": self._token}
-            except Exception as e:  # noqa: BLE001 - broadcast so that every rank raises
-                reply = {"kind": "plan", "error": str(e) if isinstance(e, BCPError) else f"{type(e).__name__}: {e}"}
-        # each rank receives only its own assignment; tree leaders pass on only their subtree's part
-        reply = comm.scatter(_per_rank_replies(reply, comm.world_size) if comm.is_coordinator else None, "plan")
-        if reply.get("kind") != "plan":
-            raise SaveError(f"{what}: this rank re-planned while others reused a cached plan "
-                            "(the state's structure changed on some ranks only)")
-        if "error" in reply:
-            raise SaveError(f"{what} planned nothing: {reply['error']}")
-        self.stats["plans"] += 1
-        self._token = reply["token"]
-        cached = CachedPlan(reply["assignment"], gplan,
-                            [m["key"] for m in msgs] if comm.is_coordinator else [])
-        self._plans[plan.key] = cached
-        while len(self._plans) > PLAN_CACHE_SIZE:
-            self._plans.popitem(last=False)
-        return cached
-
-    @metrics.timed("stage", nbytes=lambda _, self, job: sum(b.nbytes for b in job.staged.values()))
-    def _stage(self, job: _Job) -> None:
-        """Copy what this rank may write into reused host buffers: the only part of an async save that stalls.
-
-        With a cached plan that is exactly the boxes assigned to this rank. Without one, planning
-        happens in the background, so every box this rank holds is copied (a copy of the local
-        shard: the floor of any snapshot) and the plan picks from them later.
-        """
-        plan = job.plan
-        if job.cached is not None:
-            boxes = [tuple(tb) for tb in job.cached.assignment["write"]]
-        else:
-            boxes = [(ti, bi) for ti, (_, lt) in enumerate(plan.tensors) for bi in range(len(lt.boxes))]
-        sources = _sources(plan, boxes)
-        pool_key = _pool_key(plan, boxes)
-        if self._warming is not None:  # prepare_save's buffers are still being touched: take them when ready
-            self._warming.result()
-            self._warming = None
-        got = self._pool.acquire(pool_key, sources)
-        while got is None:  # both slots in flight: wait for the oldest save
-            self._pending[0][0]._future.exception()  # blocks until the oldest save is done
-            self._raise_background_errors()
-            got = self._pool.acquire(pool_key, sources)
-        slot, buffers = got
-        cuda = False
-        with torch.no_grad():
-            for buf, src in zip(buffers, sources):
-                cuda |= src.device.type == "cuda"
-                buf.copy_(src.detach(), non_blocking=src.device.type == "cuda")
-        if cuda:
-            torch.cuda.current_stream().synchronize()
-        job.staged = dict(zip(boxes, buffers))
-        job.staged_per_rank = [(fqn, t.to("cpu", copy=True)) for fqn, t in plan.per_rank_tensors]
-        job.slot = (pool_key, slot)
-
-    def _pool_is_cold(self, job: _Job) -> bool:
-        """No warm staging buffers for this plan yet: a copy would fault in fresh memory."""
-        return job.cached is None or not self._pool.warm(_pool_key(job.plan, job.cached.assignment["write"]))
-
-    @metrics.timed("snapshot")
-    def _fork(self, job: _Job) -> None:
-        """Snapshot by forking: the child process keeps the state as of now (copy-on-write) and
-        writes this rank's pieces from it, so the stall is the fork, not a copy into fresh memory.
-
-        Used for a save that would otherwise copy into cold buffers (the first of a structure);
-        meanwhile the background thread warms the staging buffers, so later saves copy into
-        touched memory. Needs CPU tensors and a POSIX or memory:// checkpoint path: the child
-        uses no accelerator and no network client.
-        """
-        while sum(1 for _, j in self._pending if j.snapshot is not None and not j.snapshot.closed) >= 2:
-            self._pending[0][0]._future.exception()  # at most two snapshots held, as with staging
-            self._raise_background_errors()
-        job.snapshot = ForkSnapshot.start(job)
-
-    def _run(self, comm: Comm, job: _Job) -> str:
-        """Plan if no cached plan fits, then write and commit."""
+    def _run(self, comm: Comm, job: SaveJob) -> str:
+        """Plan if no cached plan fits, write this rank's pieces, commit."""
         try:
             if job.cached is None:
-                job.cached = self._plan(comm, job.ckpt, job.plan, job.error)
-            assignment = job.cached.assignment
-            if job.snapshot is not None:  # the forked process builds the items from its copy of the state
-                job.snapshot.send(assignment, f"{self._token}-{job.number}-", comm.rank)
-                # touch the staging buffers of the next save now, off the training thread
-                self._pool.warm_up(_pool_key(job.plan, assignment["write"]), _sources(job.plan, assignment["write"]))
-            elif job.staged is None:  # synchronous save: write straight from the live tensors
-                job.items = _items(job.plan, assignment, None)
-            else:
-                job.items = _items(job.plan, assignment, [job.staged[tuple(tb)] for tb in assignment["write"]],
-                                   job.staged_per_rank)
+                job.cached = self._plan(comm, job.ckpt, job.plan, job.error)  # fails on every rank alike
         except BaseException:
             self._release(job)
             raise
-        return self._finish(comm, job)
+        try:
+            report = self._write_pieces(comm.rank, job)
+        except Exception as e:  # noqa: BLE001 - reported to the coordinator, so every rank fails alike
+            report = failed_report(f"rank {comm.rank}: {type(e).__name__}: {e}")
+        finally:
+            self._release(job)
+        return self._commit(comm, job, report)
 
-    def _release(self, job: _Job) -> None:
+    def _write_pieces(self, rank: int, job: SaveJob) -> WriteReport:
+        """Write this rank's assignment: from the forked snapshot, the staged copies or the live state."""
+        prefix = f"{self._token}-{job.number}-"  # the coordinator's token arrived with the first plan
+        assignment = job.cached.assignment
+        if job.snapshot is None:
+            staged = None if job.staged is None else [job.staged[tuple(tb)] for tb in assignment.boxes]
+            return _write(job, assignment, staged, job.staged_per_rank, rank, prefix)
+        job.snapshot.send({"assignment": codec.to_wire(assignment), "prefix": prefix, "rank": rank})
+        try:  # touch the staging buffers of the next save now, off the training thread
+            self._pool.warm_up(pool_key(job.plan, assignment.boxes), box_sources(job.plan, assignment.boxes))
+        except Exception as e:  # noqa: BLE001 - the next save allocates them itself then
+            log.warning("bcp: warming the staging buffers of role %r failed: %s", self.role, e)
+        return self._snapshot_report(job)
+
+    def _snapshot_report(self, job: SaveJob) -> WriteReport:
+        """The forked child's report; its phases join this save's metrics."""
+        msg = job.snapshot.result()
+        rec = metrics.current()
+        for r in msg["metrics"] if rec is not None else []:
+            for i, (t0, t1) in enumerate(r.get("intervals") or [[r["start"], r["end"]]]):
+                rec.add(r["phase"], t0, t1, r["bytes"] if i == 0 else 0)
+        return codec.from_wire(msg["report"], WriteReport)
+
+    def _release(self, job: SaveJob) -> None:
         if job.snapshot is not None:
             job.snapshot.close()
         if job.slot is not None:
             self._pool.release(*job.slot)
             job.slot = None
 
-    def _finish(self, comm: Comm, job: _Job) -> str:
-        """Write this rank's pieces, then commit on the coordinator once every rank reported."""
-        try:
-            if job.snapshot is not None:  # a forked process holds the snapshot and writes it
-                report = job.snapshot.result()
-            else:
-                report = _write_report(job, comm.rank, f"{self._token}-{job.number}-")
-        except Exception as e:  # noqa: BLE001 - reported to the coordinator
-            report = {"kind": "report", "error": f"rank {comm.rank}: {type(e).__name__}: {e}"}
-        finally:
-            self._release(job)
+    def _commit(self, comm: Comm, job: SaveJob, report: WriteReport) -> str:
+        """Gather every rank's report; the coordinator writes the metadata, then the tracker."""
         # this rank's phases so far travel with its report; intervals only while the job is small
-        report["metrics"] = metrics.records(intervals=comm.world_size <= 256)
+        report = _with_metrics(report, metrics.records(intervals=comm.world_size <= 256))
         commit = metrics.start("commit")
         try:
-            reports = comm.gather(report, "commit")
+            raw = comm.gather(codec.to_wire(report), "commit")
         except CommTimeoutError as e:
-            comm.broadcast({"kind": "report", "error": str(e)}, "commit")
+            comm.broadcast(codec.to_wire(CommitStatus(str(e))), "commit")
             raise SaveError(f"save to {job.ckpt.root} failed and was not committed: {e}") from None
-        status: dict = {}
+        status = CommitStatus()
         if comm.is_coordinator:
             try:
-                md = _commit_metadata(job, reports, comm.world_size)
+                reports = _expect(raw, WriteReport, "re-planned while others reused a cached plan: the state's "
+                                  "structure changed on some ranks only")
+                md = build_metadata(job.cached.gplan, job.cached.rank_keys, reports, job.framework,
+                                    job.user_metadata)
                 _remove_stale_files(job.ckpt, md, self._token)
                 job.ckpt.write_atomic(METADATA_FILE, gc_paused(md.dumps)())
                 if job.tracker_name:
-                    job.root.write_atomic(TRACKER_FILE, job.tracker_name.encode())
+                    write_tracker(job.root, job.tracker_name)
                 commit.stop()
-                metrics.save_beside(job.ckpt, [metrics.records()] + [r.get("metrics") for r in reports[1:]])
-                status = {"kind": "report", "ok": True}
+                metrics.save_beside(job.ckpt, [metrics.records()] + [list(r.metrics) for r in reports[1:]])
             except Exception as e:  # noqa: BLE001 - broadcast so that every rank raises
-                status = {"kind": "report", "error": str(e) if isinstance(e, BCPError) else f"{type(e).__name__}: {e}"}
-        status = comm.broadcast(status, "commit")
+                status = CommitStatus(_message(e))
+        status = _received(comm.broadcast(codec.to_wire(status), "commit"), CommitStatus,
+                           f"save to {job.ckpt.root}: this rank reused a cached plan while others re-planned "
+                           "(the state's structure changed on some ranks only)")
         commit.stop()
-        if status.get("kind") != "report":
-            raise SaveError(f"save to {job.ckpt.root}: this rank reused a cached plan while others re-planned "
-                            "(the state's structure changed on some ranks only)")
-        if "error" in status:
-            raise SaveError(f"save to {job.ckpt.root} failed and was not committed: {status['error']}")
+        if status.error is not None:
+            raise SaveError(f"save to {job.ckpt.root} failed and was not committed: {status.error}")
         if job.on_commit is not None:
             job.on_commit(job.ckpt.root)
         return job.ckpt.root
@@ -479,201 +440,76 @@ class Checkpointer:
                 raise SaveError(f"an earlier asynchronous save to {handle.path} failed: {exc}") from exc
 
 
+# ----------------------------------------------------------------------------- helpers
+
+def _plan_tensors(plan: LocalSavePlan) -> list[torch.Tensor]:
+    return [lt.boxes[0].view for _, lt in plan.tensors if lt.boxes] + [t for _, t in plan.per_rank_tensors]
+
+
 @metrics.timed("serialise", nbytes=lambda items, *_: sum(it.tensor.nbytes for it in items))
-def _items(plan: LocalSavePlan, assignment: dict, buffers: list[torch.Tensor] | None,
-           per_rank: list[tuple[str, torch.Tensor]] | None = None) -> list[WriteItem]:
-    """The pieces this rank writes: its assigned boxes (from `buffers` if staged), shards, per-rank tensors."""
+def _write_items(plan: LocalSavePlan, assignment: Assignment, staged: list[torch.Tensor] | None,
+                 per_rank: list[tuple[str, torch.Tensor]] | None) -> list[WriteItem]:
+    """The pieces this rank writes: its assigned boxes (from `staged` copies if any), object shards,
+    per-rank tensors."""
     items = []
-    for n, (ti, bi) in enumerate(assignment["write"]):
+    for n, (ti, bi) in enumerate(assignment.boxes):
         fqn, lt = plan.tensors[ti]
         box = lt.boxes[bi]
-        data = buffers[n] if buffers is not None else _contiguous_cpu(box.view)
+        data = staged[n] if staged is not None else contiguous_cpu(box.view)
         items.append(WriteItem(f"{fqn}@{','.join(map(str, box.offsets))}", data,
-                               ["t", fqn, list(box.offsets), list(box.lengths)]))
-    for i in assignment["shards"]:
-        fqn, _, index = plan.structure["sharded_objects"][i]
-        raw = plan.object_shards[i]
+                               TensorBoxKey(fqn, tuple(box.offsets), tuple(box.lengths))))
+    for i in assignment.shards:
+        fqn, _, index = plan.structure.sharded_objects[i]
+        raw = plan.shard_values[i]
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-        items.append(WriteItem(f"{fqn}@{','.join(map(str, index))}", data, ["o", fqn, index]))
+        items.append(WriteItem(f"{fqn}@{','.join(map(str, index))}", data, ObjectShardKey(fqn, tuple(index))))
     # Each rank writes its own per-rank tensors (RNG states: small); identical ones share one
     # piece in the metadata.
     for fqn, t in per_rank if per_rank is not None else plan.per_rank_tensors:
-        items.append(WriteItem(f"{fqn}#r", _contiguous_cpu(t), ["v", fqn]))
+        items.append(WriteItem(f"{fqn}#r", contiguous_cpu(t), RankValueKey(fqn)))
     return items
 
 
-def _per_rank_replies(reply: dict, world_size: int) -> list[dict]:
-    """The plan reply cut per rank: each rank's own assignment (an error goes to every rank)."""
-    if "assignments" not in reply:
-        return [reply] * world_size
-    rest = {k: v for k, v in reply.items() if k != "assignments"}
-    return [{**rest, "assignment": a} for a in reply["assignments"]]
-
-
-def _contiguous_cpu(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    return (t.to("cpu") if t.device.type != "cpu" else t).contiguous()
-
-
-def _write_report(job: _Job, rank: int, prefix: str) -> dict:
-    """Write this rank's items; the report the coordinator commits from (errors included)."""
+def _write(job: SaveJob, assignment: Assignment, staged, staged_per_rank, rank: int, prefix: str) -> WriteReport:
+    """Write this rank's pieces; the report the coordinator commits from (an error is reported too)."""
     plan = job.plan
     try:
-        written = write_items(job.ckpt, rank, job.items, job.num_threads, CHECKSUM_BLOCK_BYTES, prefix=prefix)
-        per_rank = dict(plan.values["per_rank"])
-        for it in job.items:
-            if it.key[0] == "v":
-                per_rank[it.key[1]] = [dtype_name(it.tensor.dtype), list(it.tensor.shape), _tensor_digest(it.tensor)]
-        return {"kind": "report", "key": plan.key, "objects": plan.values["objects"], "per_rank": per_rank,
-                "shard_digests": plan.values["shard_digests"], "object_digests": plan.values["object_digests"],
-                "pieces": [[w.key, w.file, w.byte_offset, w.nbytes, w.checksums] for w in written]}
+        items = _write_items(plan, assignment, staged, staged_per_rank)
+        written = write_items(job.ckpt, rank, items, job.num_threads, CHECKSUM_BLOCK_BYTES, prefix=prefix)
+        per_rank = dict(plan.per_rank)
+        for it in items:
+            if isinstance(it.key, RankValueKey):
+                per_rank[it.key.fqn] = [dtype_name(it.tensor.dtype), list(it.tensor.shape), _tensor_digest(it.tensor)]
+        return WriteReport(plan.key, plan.objects, per_rank, plan.shard_digests, plan.object_digests,
+                           tuple(written))
     except Exception as e:  # noqa: BLE001 - reported to the coordinator
-        return {"kind": "report", "error": f"rank {rank}: {type(e).__name__}: {e}"}
+        return failed_report(f"rank {rank}: {type(e).__name__}: {e}")
 
 
-# ----------------------------------------------------------------------------- fork snapshots
-
-class ForkSnapshot:
-    """A forked process that holds this rank's state as of the save call and writes it.
-
-    Fork gives the child the parent's memory copy-on-write: the state is frozen for the child at
-    the cost of the fork, and pages the training process modifies afterwards are copied by the
-    kernel, one at a time, while the child lives (so a step that follows before the write ends
-    pays for them). The child gets the plan's assignment as JSON on one pipe, writes its pieces
-    with the ordinary engine and answers the report as JSON on another; it touches no accelerator,
-    lock or network client of the parent and leaves with os._exit.
-    """
-
-    def __init__(self, pid: int, to_child: int, from_child: int):
-        self.pid: int | None = pid
-        self._to: int | None = to_child
-        self._from: int | None = from_child
-        self.closed = False
-
-    @classmethod
-    def start(cls, job: _Job) -> ForkSnapshot:
-        r_in, w_in = os.pipe()
-        r_out, w_out = os.pipe()
-        with _SNAPSHOT_FDS_LOCK:
-            pid = os.fork()
-            if pid == 0:  # the child: never returns
-                code = 1
-                try:
-                    # pipes of other snapshots in flight: this process must not hold them open
-                    for fd in [w_in, r_out, *_SNAPSHOT_FDS]:
-                        os.close(fd)
-                    _snapshot_child(job, r_in, w_out)
-                    code = 0
-                finally:
-                    os._exit(code)
-            _SNAPSHOT_FDS.update((w_in, r_out))
-        os.close(r_in)
-        os.close(w_out)
-        return cls(pid, w_in, r_out)
-
-    def send(self, assignment: dict, prefix: str, rank: int) -> None:
-        try:
-            _send_msg(self._to, {"assignment": assignment, "prefix": prefix, "rank": rank})
-        except BrokenPipeError:
-            pass  # the child is gone: result() reports how it ended, through the commit like any error
-
-    def result(self) -> dict:
-        """The child's report, once it has written everything; its phases join this save's metrics."""
-        msg = _recv_msg(self._from)
-        status = self._reap()
-        if msg is None:
-            raise SaveError(f"the snapshot process ended without writing its pieces ({_exit_reason(status)})")
-        records, rec = msg.pop("metrics", []), metrics.current()
-        for r in records if rec is not None else []:
-            for i, (t0, t1) in enumerate(r.get("intervals") or [[r["start"], r["end"]]]):
-                rec.add(r["phase"], t0, t1, r["bytes"] if i == 0 else 0)
-        return msg
-
-    def close(self) -> None:
-        """Release the child: a child not told what to write reads end-of-file and leaves."""
-        if self.closed:
-            return
-        self.closed = True
-        with _SNAPSHOT_FDS_LOCK:
-            for fd in (self._to, self._from):
-                _SNAPSHOT_FDS.discard(fd)
-                os.close(fd)
-        self._reap()
-
-    def _reap(self) -> int:
-        pid, self.pid = self.pid, None
-        return os.waitpid(pid, 0)[1] if pid is not None else 0
+def _with_metrics(report: WriteReport, records: list[dict]) -> WriteReport:
+    from dataclasses import replace
+    return replace(report, metrics=tuple(records))
 
 
-def _snapshot_child(job: _Job, r_in: int, w_out: int) -> None:
-    torch.set_num_threads(1)  # an OpenMP team does not survive fork: keep torch from starting one
-    msg = _recv_msg(r_in)
-    if msg is None:
-        return  # the save ended before planning succeeded: nothing to write
-    rec = metrics.Recorder("save", msg["rank"])
-
-    def write() -> dict:
-        job.items = _items(job.plan, msg["assignment"], None)  # from this process's copy of the state
-        return _write_report(job, msg["rank"], msg["prefix"])
-
-    report = rec.run(write)
-    report["metrics"] = rec.records()
-    _send_msg(w_out, report)
+def _expect(raw: list, cls: type, mismatch: str) -> list:
+    """The coordinator's view of a gather: every rank's record, all of type `cls`, or SaveError."""
+    records = [codec.from_wire(m) for m in raw]
+    other = [r for r, rec in enumerate(records) if not isinstance(rec, cls)]
+    if other:
+        raise SaveError(f"ranks {other} {mismatch}")
+    return records
 
 
-def _can_fork(job: _Job) -> bool:
-    """Whether this save can be snapshot by fork; if not, say why (the save copies instead)."""
-    tensors = [lt.boxes[0].view for _, lt in job.plan.tensors if lt.boxes] + [t for _, t in job.plan.per_rank_tensors]
-    if not hasattr(os, "fork"):
-        reason = "no os.fork on this platform"
-    elif not isinstance(job.ckpt, LocalStorage):
-        reason = f"{job.ckpt.root} is not a local or memory:// path (network clients do not survive a fork)"
-    elif any(t.device.type != "cpu" for t in tensors):
-        reason = "the state holds accelerator tensors"
-    else:
-        return True
-    log.info("bcp: snapshot='fork' not possible here (%s); copying instead", reason)
-    return False
+def _received(raw, cls: type, mismatch: str):
+    """What this rank received from the coordinator, which must be a `cls` record."""
+    try:
+        return codec.from_wire(raw, cls)
+    except MetadataError:
+        raise SaveError(mismatch) from None
 
 
-# Both ends of every snapshot pipe the parent holds: a child forked later closes them, so that each
-# pipe has exactly one writer and one reader.
-_SNAPSHOT_FDS: set[int] = set()
-_SNAPSHOT_FDS_LOCK = threading.Lock()
-
-
-def _send_msg(fd: int, obj: Any) -> None:
-    """A JSON message, 8-byte length first (readers never wait for an end-of-file)."""
-    data = json.dumps(obj).encode()
-    view = memoryview(len(data).to_bytes(8, "little") + data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def _recv_msg(fd: int) -> Any:
-    """The next message, or None when the other side closed first (or died)."""
-    head = _read_exactly(fd, 8)
-    if head is None:
-        return None
-    body = _read_exactly(fd, int.from_bytes(head, "little"))
-    return None if body is None else json.loads(body)
-
-
-def _read_exactly(fd: int, n: int) -> bytes | None:
-    chunks, left = [], n
-    while left:
-        chunk = os.read(fd, min(left, 1 << 20))
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
-def _exit_reason(status: int) -> str:
-    if os.WIFSIGNALED(status):
-        return f"killed by signal {os.WTERMSIG(status)}"
-    return f"exit status {os.WEXITSTATUS(status)}"
+def _message(e: Exception) -> str:
+    return str(e) if isinstance(e, BCPError) else f"{type(e).__name__}: {e}"
 
 
 def _tensor_digest(t: torch.Tensor) -> str:
@@ -686,102 +522,13 @@ def _invalidate(ckpt: Storage) -> None:
         ckpt.remove(METADATA_FILE)
 
 
-def _warn_differing_values(reports: list[dict]) -> None:
-    """Replicated values are saved from rank 0; say so loudly when another rank's value differs."""
-    differ: dict[str, list[int]] = {}
-    ref = reports[0]["object_digests"]
-    for r, rep in enumerate(reports[1:], start=1):
-        for k, d in rep["object_digests"].items():
-            if ref.get(k) != d:
-                differ.setdefault(k, []).append(r)
-    if differ:
-        log.warning("bcp: non-tensor values differ between ranks and only rank 0's is saved: %s. Values "
-                    "that differ per rank belong under 'extra_state' (or in a sharded object).",
-                    ", ".join(f"{k} (ranks {v})" for k, v in sorted(differ.items())[:8]))
-
-
-def _remove_stale_files(ckpt: Storage, md: CheckpointMetadata, token: str) -> None:
+def _remove_stale_files(ckpt: Storage, md, token: str) -> None:
     """This job's data files from an earlier save to the same path. Other jobs' files are left alone:
     one may be writing here right now (`bcp prune` cleans up after crashed jobs)."""
     keep = {f.split("/", 1)[1] for f in md.files}
     for name in ckpt.listdir("data"):
         if name.startswith(f"{token}-") and name not in keep:
             ckpt.remove(f"data/{name}")
-
-
-@gc_paused  # builds an object per saved piece: see planner.gc_paused
-def _commit_metadata(job: _Job, reports: list[dict], world_size: int) -> CheckpointMetadata:
-    errors = [r["error"] for r in reports if r.get("error")]
-    if errors:
-        raise SaveError("; ".join(errors))
-    cached = job.cached
-    gplan = cached.gplan
-    replanned = [r for r, rep in enumerate(reports) if rep["kind"] != "report"]
-    if replanned:
-        raise SaveError(f"ranks {replanned} re-planned while others reused a cached plan: the state's structure "
-                        "changed on some ranks only")
-    changed = [r for r, rep in enumerate(reports) if rep["key"] != cached.rank_keys[r]]
-    if changed:
-        raise SaveError(f"ranks {changed} saved a state whose structure differs from the plan")
-
-    files: list[str] = []
-    file_index: dict[str, int] = {}
-    pieces: dict[str, list[Piece]] = {fqn: [] for fqn in gplan.tensor_info}
-    shards: dict[str, list[ObjectPiece]] = {fqn: [] for fqn in gplan.sharded_grids}
-    rank_tensor: dict[tuple[str, int], Piece] = {}
-    for rank, rep in enumerate(reports):
-        for key, file, byte_offset, nbytes, crc in rep["pieces"]:
-            fi = file_index.setdefault(file, len(file_index))
-            if fi == len(files):
-                files.append(file)
-            if key[0] == "t":
-                _, fqn, offs, lens = key
-                pieces[fqn].append(Piece(tuple(offs), tuple(lens), fi, byte_offset, nbytes, tuple(crc), rank))
-            elif key[0] == "o":
-                _, fqn, index = key
-                shards[fqn].append(ObjectPiece(tuple(index), fi, byte_offset, nbytes, tuple(crc), rank))
-            else:
-                rank_tensor[(key[1], rank)] = Piece((), (), fi, byte_offset, nbytes, tuple(crc), rank)
-
-    for (fqn, index), holders in gplan.shard_holders.items():
-        digests = {reports[r]["shard_digests"][i] for r, i in holders}
-        if len(digests) > 1:
-            raise SaveError(f"sharded object {fqn!r} index {list(index)}: ranks {[r for r, _ in holders]} hold "
-                            "different values for the same shard")
-
-    per_rank: dict[str, PerRankMeta] = {}
-    for fqn, kind in sorted(gplan.per_rank.items()):
-        variants: list = []
-        ids: dict[str, int] = {}
-        ranks: list[int | None] = []
-        for rank, rep in enumerate(reports):
-            v = rep["per_rank"].get(fqn)
-            if v is None:
-                ranks.append(None)
-                continue
-            ident = f"{v[0]}{v[1]}{v[2]}" if kind == "tensor" else repr(v)
-            if ident not in ids:
-                ids[ident] = len(variants)
-                if kind == "tensor":
-                    p = rank_tensor[(fqn, rank)]
-                    shape = tuple(v[1])
-                    variants.append(TensorMeta(dtype_from_name(v[0]), shape, (Piece(
-                        (0,) * len(shape), shape, p.file, p.byte_offset, p.nbytes, p.checksums, rank),)))
-                else:
-                    variants.append(ObjectValue(v))
-            ranks.append(ids[ident])
-        first = next(r for r in ranks if r is not None)  # ranks without the value load rank 0's
-        per_rank[fqn] = PerRankMeta(tuple(first if r is None else r for r in ranks), tuple(variants))
-
-    tensors = {fqn: TensorMeta(dtype_from_name(dt), tuple(shape), tuple(sorted(pieces[fqn], key=lambda p: p.offsets)))
-               for fqn, (dt, shape) in sorted(gplan.tensor_info.items())}
-    sharded = {fqn: ShardedObjectMeta(tuple(grid), tuple(sorted(shards[fqn], key=lambda p: p.index)))
-               for fqn, grid in sorted(gplan.sharded_grids.items())}
-    objects = {k: ObjectValue(reports[0]["objects"][k]) for k in sorted(gplan.object_keys)}
-    _warn_differing_values(reports)
-    return CheckpointMetadata(world_size=world_size, framework=job.framework, files=tuple(files), tensors=tensors,
-                              objects=objects, per_rank=per_rank, sharded_objects=sharded,
-                              user=job.user_metadata)
 
 
 # ----------------------------------------------------------------------------- registry
@@ -828,7 +575,7 @@ def _flush_at_exit() -> None:
     failed = finish_pending_saves()
     if not failed:
         return
-    rank = _global_rank()
+    rank = this_rank()
     for path, exc in failed:
         log.error("bcp: rank %d exits with status %d: the asynchronous save to %s was not committed: %s",
                   rank, EXIT_SAVE_FAILED, path, exc)
@@ -858,6 +605,3 @@ def _register_exit_flush() -> None:
         atexit.register(_flush_at_exit)
 
 
-def _global_rank() -> int:
-    import torch.distributed as dist
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -1,19 +1,22 @@
-"""Safe codec for non-tensor values: JSON with a few tags (docs/format.md, "Value").
+"""Safe codec: non-tensor values as JSON with a few tags (docs/format.md, "Value"), and the
+records ranks exchange (plans, reports) as JSON.
 
-Decoding never runs code. Pickle is used only when the caller opts in, on save
-to write it and on load to read it.
+Decoding never runs code. Pickle is used only when the caller opts in, on save to write it and on
+load to read it. Records are frozen dataclasses registered with `record`; decoding builds only
+registered classes.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import math
 import pickle
 from typing import Any
 
 import torch
 
-from .errors import PickleNotAllowedError, UnsupportedValueError
+from .errors import MetadataError, PickleNotAllowedError, UnsupportedValueError
 from .metadata import dtype_from_name, dtype_name
 
 _TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", "__dtype__", "__device__",
@@ -141,3 +144,62 @@ def _numpy():
         return numpy
     except ImportError:
         return None
+
+
+# ----------------------------------------------------------------------------- records
+
+_RECORDS: dict[str, type] = {}
+
+
+def record(cls: type) -> type:
+    """Register frozen dataclass `cls` as a record that `to_wire` / `from_wire` carry between ranks.
+
+    Wire form: {"record": <class name>, "fields": [<field values in order>]}. Field values are JSON
+    values or records (alone or in a list); a list comes back as a tuple (one level: deeper lists
+    stay lists, which keeps large plans cheap to decode).
+    """
+    if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen):
+        raise TypeError(f"{cls.__name__} must be a frozen dataclass to be a record")
+    _RECORDS[cls.__name__] = cls
+    return cls
+
+
+def _is_record(v: Any) -> bool:
+    return type(v).__name__ in _RECORDS and dataclasses.is_dataclass(v)
+
+
+def to_wire(rec: Any) -> dict:
+    """A registered record as JSON-ready values."""
+    if not _is_record(rec):
+        raise TypeError(f"{type(rec).__name__} is not a registered record")
+    fields = []
+    for f in dataclasses.fields(rec):
+        v = getattr(rec, f.name)
+        if _is_record(v):
+            v = to_wire(v)
+        elif isinstance(v, (list, tuple)) and v and _is_record(v[0]):
+            v = [to_wire(x) for x in v]
+        fields.append(v)
+    return {"record": type(rec).__name__, "fields": fields}
+
+
+def from_wire(raw: Any, expected: type | tuple[type, ...] | None = None) -> Any:
+    """The record `raw` encodes; MetadataError if it is not one of the `expected` classes."""
+    if not (isinstance(raw, dict) and raw.keys() == {"record", "fields"} and raw["record"] in _RECORDS):
+        raise MetadataError(f"expected a bcp record, got {str(raw)[:120]}")
+    cls = _RECORDS[raw["record"]]
+    if expected is not None and not issubclass(cls, expected):
+        names = [c.__name__ for c in (expected if isinstance(expected, tuple) else (expected,))]
+        raise MetadataError(f"expected a record of type {' or '.join(names)}, got {cls.__name__}")
+    fields = dataclasses.fields(cls)
+    values = raw["fields"]
+    if not isinstance(values, list) or len(values) != len(fields):
+        raise MetadataError(f"record {cls.__name__}: expected {len(fields)} fields, got {values!r:.120}")
+    out = []
+    for v in values:
+        if isinstance(v, dict) and v.keys() == {"record", "fields"}:
+            v = from_wire(v)
+        elif isinstance(v, list):
+            v = tuple(from_wire(x) if isinstance(x, dict) and x.keys() == {"record", "fields"} else x for x in v)
+        out.append(v)
+    return cls(*out)

@@ -31,18 +31,14 @@ from typing import Any
 import torch.distributed as dist
 
 from . import metrics
-from .errors import BCPError
-from .planner import gc_paused
+from .errors import BCPError, CommTimeoutError
+from .utils import gc_paused
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 DEFAULT_FAN_IN = 32
 
 # First byte of a message sent down the tree: one value for every rank, or one per rank.
 _ALL, _EACH = b"A", b"E"
-
-
-class CommTimeoutError(BCPError):
-    """Ranks did not arrive at a bcp synchronisation point in time."""
 
 
 def _default_store():

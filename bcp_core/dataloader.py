@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .api import ShardReader
-from .errors import BCPError
+from .engine import ShardReader
+from .errors import LoaderStateError, ReadWorkerError
 from .shards import ObjectShard
 
 __all__ = ["LoaderStateError", "ReadWorkerError", "ReshardableLoader", "OpaqueLoader", "MappedLoader",
@@ -43,15 +43,6 @@ log = logging.getLogger(__name__)
 # How many batches back PackedTokenLoader can give its state (state_dict(unconsumed=k)). Read workers
 # keep prefetch_factor + 4 states behind the newest batch and are at most prefetch_factor + 1 ahead.
 _MAX_UNCONSUMED = 3
-
-
-class LoaderStateError(BCPError):
-    """A dataloader state cannot be restored here: wrong format, other sources, or a resharding the
-    loader cannot do."""
-
-
-class ReadWorkerError(BCPError):
-    """A read worker process failed or died."""
 
 
 # ----------------------------------------------------------------------------- the protocol

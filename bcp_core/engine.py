@@ -13,14 +13,15 @@ import warnings
 from collections.abc import Container, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import xxhash
 
-from . import metrics
-from .errors import ChecksumError, StorageError
-from .metadata import num_blocks
-from .planner import ReadItem
+from . import codec, metrics
+from .errors import ChecksumError, KeyMismatchError, MetadataError, StorageError
+from .load_planner import ReadItem
+from .metadata import CheckpointMetadata, num_blocks
 from .storage import Storage
 
 _SAFETENSORS_DTYPES = {
@@ -36,20 +37,24 @@ for _name, _code in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
 
 @dataclass
 class WriteItem:
-    """One piece to write: its header name, its bytes' tensor (CPU, contiguous) and a key for the report."""
+    """One piece to write: its header name, its bytes' tensor (CPU, contiguous) and its piece key
+    (a save_planner record saying what the bytes are; passed through to the report)."""
 
     name: str
     tensor: torch.Tensor
-    key: list
+    key: Any
 
 
-@dataclass
+@codec.record
+@dataclass(frozen=True)
 class WrittenPiece:
-    key: list
+    """Where a written piece's bytes are: file (relative to the checkpoint), byte range, checksums."""
+
+    key: Any
     file: str
     byte_offset: int
     nbytes: int
-    checksums: list[int]
+    checksums: tuple[int, ...]
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -136,7 +141,7 @@ def write_items(storage: Storage, rank: int, items: list[WriteItem], num_files: 
             return placed
 
         placed = [p for ps in pool.map(metrics.bind(write_file), range(len(bins))) for p in ps]
-        return [WrittenPiece(it.key, rel, pos, n, sums[id(it)].result()) for it, rel, pos, n in placed]
+        return [WrittenPiece(it.key, rel, pos, n, tuple(sums[id(it)].result())) for it, rel, pos, n in placed]
 
 
 # ----------------------------------------------------------------------------- reading
@@ -188,6 +193,34 @@ def read_verified(storage: Storage, file: str, byte_offset: int, nbytes: int, su
     if verify:
         verify_blocks(memoryview(buf), 0, nbytes, sums, block, file, byte_offset, what)
     return bytes(buf)
+
+
+class ShardReader:
+    """Reads the saved shards of one sharded object on demand: `reader[index]`, `reader.indices`."""
+
+    def __init__(self, st: Storage, md: CheckpointMetadata, fqn: str, allow_pickle: bool, verify: bool):
+        self._st, self._md, self.fqn = st, md, fqn
+        self._meta = md.sharded_objects[fqn]
+        self._allow_pickle, self._verify = allow_pickle, verify
+        self.grid = self._meta.grid
+        self.indices = [p.index for p in self._meta.shards]
+
+    def __contains__(self, index) -> bool:
+        return self._meta.shard(tuple(index)) is not None
+
+    def __getitem__(self, index) -> Any:
+        p = self._meta.shard(tuple(index))
+        if p is None:
+            raise KeyMismatchError(f"sharded object {self.fqn!r} has no shard at index {tuple(index)} "
+                                   f"(grid {self.grid}, saved {len(self.indices)} shards)")
+        what = f"shard {list(p.index)} of {self.fqn!r}"
+        data = read_verified(self._st, self._md.files[p.file], p.byte_offset, p.nbytes, p.checksums,
+                             self._md.checksum_block_bytes, what, self._verify)
+        try:
+            raw = json.loads(data)
+        except ValueError as e:
+            raise MetadataError(f"{what} in {self._md.files[p.file]} is not valid JSON: {e}") from None
+        return codec.decode(raw, self.fqn, self._allow_pickle)
 
 
 def item_span(item: ReadItem, block: int, verify: bool) -> tuple[int, int]:

@@ -55,3 +55,28 @@ class SaveError(BCPError):
 
 class StorageError(BCPError):
     """A storage operation failed permanently."""
+
+
+class TransientStorageError(StorageError):
+    """A storage failure that may succeed when tried again (a backend raises it to ask for a retry)."""
+
+
+class StorageFileNotFoundError(StorageError, FileNotFoundError):
+    """The file does not exist (never retried)."""
+
+
+class CommTimeoutError(BCPError):
+    """Ranks did not arrive at a bcp synchronisation point in time."""
+
+
+class LoaderStateError(BCPError):
+    """A dataloader state cannot be restored here: wrong format, other sources, or a resharding the
+    loader cannot do."""
+
+
+class ReadWorkerError(BCPError):
+    """A dataloader read worker process failed or died."""
+
+
+class ToolError(BCPError):
+    """A tool was asked for something it cannot do (bad arguments, conflicting keys...)."""

@@ -31,7 +31,7 @@ from . import metrics
 from .comm import Comm
 from .engine import copy_from_span, item_span, read_all, read_item, read_span
 from .errors import BCPError, ChecksumError
-from .planner import ReadItem
+from .load_planner import ReadItem
 from .shards import is_dtensor
 from .storage import Storage
 

@@ -21,11 +21,13 @@ from typing import Any
 import torch
 
 from . import api, codec
+from .engine import ShardReader
+from .loader import read_metadata
 from .engine import _SAFETENSORS_DTYPES, read_all, read_verified
 from .errors import BCPError, ChecksumError
 from .metadata import (CHECKSUM_ALGORITHM, METADATA_FILE, TRACKER_FILE, CheckpointMetadata, ObjectValue, Piece,
                        TensorMeta, dtype_from_name, element_size, num_blocks)
-from .planner import ReadItem, box_read_items
+from .load_planner import ReadItem, box_read_items
 from .shards import Box, intersect
 from .storage import Storage, storage_for
 
@@ -101,7 +103,7 @@ class Progress:
 def open_checkpoint(path: str) -> tuple[Storage, CheckpointMetadata]:
     """The checkpoint at `path` (a checkpoint directory, or a root: its latest complete one) and its metadata."""
     st = api.resolve(path)
-    return st, api.read_metadata(st)
+    return st, read_metadata(st)
 
 
 def _value_summary(encoded: Any, limit: int = 70) -> str:
@@ -665,7 +667,7 @@ def _export_torch(st, md, out_path, entries, model_only, rules, allow_pickle, nu
             values[k] = codec.decode(v.encoded, k, allow_pickle) if isinstance(v, ObjectValue) \
                 else _read_whole(st, md, k, v, num_threads)
         for k in md.sharded_objects:  # every saved shard, keyed by its grid index
-            reader = api.ShardReader(st, md, k, allow_pickle, True)
+            reader = ShardReader(st, md, k, allow_pickle, True)
             values[k] = {",".join(map(str, i)): reader[i] for i in reader.indices}
         for k, v in _rename_map(values, rules).items():
             if v in state:

@@ -361,7 +361,7 @@ def test_unit_overlaps_partition_the_saved_units():
 
 
 def test_a_resharding_rank_reads_only_the_saved_units_it_overlaps(runs, monkeypatch):
-    from bcp_core.api import ShardReader
+    from bcp_core.engine import ShardReader
     reads = []
     original = ShardReader.__getitem__
 

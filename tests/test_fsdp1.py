@@ -415,7 +415,7 @@ def test_range_boxes_cover_exactly_the_range_as_contiguous_runs():
 
 def test_unsupported_torch_version_is_refused_clearly(monkeypatch):
     from bcp_core.errors import BCPError
-    from bcp_core.fsdp import check_torch_version
+    from bcp_core.adapters.fsdp1 import check_torch_version
     monkeypatch.delenv("BCP_FSDP1_ANY_TORCH", raising=False)
     for version in ("2.3.1", "2.99.0", "3.0.0"):
         with pytest.raises(BCPError, match=f"torch {version}.*FSDP2"):

@@ -126,7 +126,7 @@ def test_vectorised_overlap_check_agrees_with_the_sweep():
     overlap exactly when the sweep does, in tilings, with empty boxes, and across memory chunks."""
     import random
 
-    import bcp_core.planner as planner
+    import bcp_core.save_planner as planner
     from bcp_core.shards import intersect
     rng = random.Random(0)
     cases = []

@@ -35,6 +35,7 @@ from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject, 
                                                       ShardedTensor, ShardedTensorFactory, is_main_replica)
 
 import bcp_core as bcp
+from bcp_core.adapters import ModuleAdapter, register_adapter
 from bcp_core.errors import BCPError, ShapeMismatchError
 from bcp_core.shards import Box, ObjectShard, ShardedView, range_boxes
 
@@ -338,3 +339,17 @@ def load(sharded_state_dict: dict, path: str, **kwargs) -> dict:
     plan = load_state(built, {k: tm.shape for k, tm in md.tensors.items()})
     bcp.load(str(path), plan.state, framework="megatron", **kwargs)
     return merge_factories(plan.result(built), factories)
+
+
+class MegatronAdapter(ModuleAdapter):
+    """`framework="megatron"`: the state arrives already flattened by `save_state` / `load_state`
+    (ShardedViews and ObjectShards), so the generic handling serves it; the name is recorded in
+    the checkpoint's metadata."""
+
+    name = "megatron"
+
+    def matches(self, module) -> bool:
+        return False  # never auto-detected: Megatron state is not a module
+
+
+register_adapter(MegatronAdapter())

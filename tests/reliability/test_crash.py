@@ -28,7 +28,7 @@ def _state(rank, step):
 
 
 def _save_then_die(rank, world_size, root, point, async_save, victim):
-    from bcp_core import checkpointer, storage
+    from bcp_core import staging, storage
 
     bcp.save(root, _state(rank, 1), step=1).wait()
 
@@ -37,7 +37,7 @@ def _save_then_die(rank, world_size, root, point, async_save, victim):
 
     if rank == victim:
         if point == "stage":
-            checkpointer.StagingPool.acquire = die
+            staging.StagingPool.acquire = die
         elif point == "write":
             storage._LocalWriter.write = die
         elif point == "fsync":

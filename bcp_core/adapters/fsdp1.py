@@ -30,10 +30,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import BCPError
-from .metadata import CheckpointMetadata
-from .shards import Box, ShardedView, range_boxes
-from .state import LoadTarget, LoadTargets, ModuleAdapter, clean_fqn, register_adapter, unwrap
+from ..errors import BCPError
+from ..flatten import LoadTarget, LoadTargets
+from ..metadata import CheckpointMetadata
+from ..shards import Box, ShardedView, range_boxes
+from ..utils import this_rank
+from . import register_adapter
+from .generic import ModuleAdapter, clean_fqn, unwrap
 
 # Versions whose FSDP1 internals this adapter was written against and tested with.
 TESTED_TORCH = ((2, 4), (2, 13))
@@ -136,7 +139,7 @@ def _units(root: nn.Module) -> list[_Unit]:
             raise BCPError(f"FSDP1 unit {clean_fqn(name) or '<root>'}: FlatParameter lacks {missing}; this torch "
                            f"({torch.__version__}) changed FSDP1 internals that bcp's adapter reads")
         if handle.uses_sharded_strategy and not handle.is_sharded(flat):
-            raise BCPError(f"FSDP1 unit {clean_fqn(name) or '<root>'} (rank {_rank()}) holds unsharded "
+            raise BCPError(f"FSDP1 unit {clean_fqn(name) or '<root>'} (rank {this_rank()}) holds unsharded "
                            "parameters (inside summon_full_params, or after a forward with no backward under "
                            "SHARD_GRAD_OP); bcp saves and loads the sharded flat parameter, so leave that "
                            "context or run backward first")
@@ -169,15 +172,10 @@ def _local_shard(flat: nn.Parameter) -> torch.Tensor:
     return shard if shard is not None else flat.data
 
 
-def _rank() -> int:
-    import torch.distributed as dist
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 # ----------------------------------------------------------------------------- adapter
 
 class FSDP1Adapter(ModuleAdapter):
-    name = "fsdp"
+    name = "fsdp1"
 
     def matches(self, module: nn.Module) -> bool:
         fsdp_cls = _fsdp_class()
@@ -338,7 +336,7 @@ def _flat_state_leaves(out: dict, key: str, name: _Name, st: dict, shard_shape) 
             for o in name.origs:  # one value for the whole unit: every original parameter has it
                 out[f"state.{o.fqn}.{sname}"] = v
         else:
-            raise BCPError(f"optimizer {key!r}: state {sname!r} of FSDP1 unit {str(name)!r} (rank {_rank()}) has "
+            raise BCPError(f"optimizer {key!r}: state {sname!r} of FSDP1 unit {str(name)!r} (rank {this_rank()}) has "
                            f"shape {tuple(v.shape)}, neither the flat shard's {tuple(shard_shape)} nor a "
                            "scalar, so it cannot be mapped onto the original parameters")
 
@@ -355,7 +353,7 @@ def _orig_state_leaves(out: dict, key: str, o: _Orig, st: dict) -> None:
         elif isinstance(v, torch.Tensor) and v.dim() == 0 or not isinstance(v, torch.Tensor):
             out[k] = v
         else:
-            raise BCPError(f"optimizer {key!r}: state {sname!r} of {o.fqn!r} (rank {_rank()}) has shape "
+            raise BCPError(f"optimizer {key!r}: state {sname!r} of {o.fqn!r} (rank {this_rank()}) has shape "
                            f"{tuple(v.shape)}, neither per element of its {o.numel} local elements nor a scalar")
 
 

@@ -1,0 +1,84 @@
+"""Framework adapters: which one serves a state, by name or by detection.
+
+An adapter (`ModuleAdapter`) turns a framework's live modules and optimizers into FQN-keyed
+tensors and back. Built in: `plain`, `ddp`, `dtensor` (FSDP2, TP, HSDP: any DTensor layout) and
+`fsdp1` (FullyShardedDataParallel, imported on first use). Integrations register their own
+(`bcp_integrations.megatron` registers `megatron`). The older names `fsdp` (= `fsdp1`) and
+`fsdp2` (= `dtensor`) are accepted everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+from ..errors import BCPError, UnsupportedValueError
+from .generic import DDPAdapter, DTensorAdapter, ModuleAdapter, clean_fqn, unwrap
+
+ALIASES = {"fsdp": "fsdp1", "fsdp2": "dtensor"}
+
+_ADAPTERS: dict[str, ModuleAdapter] = {}
+# Adapters in modules of their own, imported on first use (FSDP1's reads torch internals).
+_LAZY = {"fsdp1": "bcp_core.adapters.fsdp1"}
+
+
+def register_adapter(adapter: ModuleAdapter) -> ModuleAdapter:
+    """Make `adapter` available as `framework=adapter.name`."""
+    _ADAPTERS[adapter.name] = adapter
+    return adapter
+
+
+for _a in (ModuleAdapter(), DDPAdapter(), DTensorAdapter()):
+    register_adapter(_a)
+
+
+def canonical_name(framework: str) -> str:
+    return ALIASES.get(framework, framework)
+
+
+def known_frameworks() -> list[str]:
+    return sorted({"auto", *_ADAPTERS, *_LAZY, *ALIASES})
+
+
+def get_adapter(name: str) -> ModuleAdapter:
+    name = canonical_name(name)
+    if name not in _ADAPTERS and name in _LAZY:
+        importlib.import_module(_LAZY[name])
+    if name not in _ADAPTERS:
+        raise BCPError(f"unknown framework {name!r}; expected one of {', '.join(known_frameworks())}")
+    return _ADAPTERS[name]
+
+
+def detect_framework(state: dict) -> str:
+    """The most specific layout among the state's modules: fsdp1 > dtensor > ddp > plain."""
+    modules = [v for v in state.values() if isinstance(v, nn.Module)]
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+    if any(isinstance(s, FSDP1) for m in modules for s in m.modules()):
+        return "fsdp1"
+    for name in ("dtensor", "ddp"):
+        if any(_ADAPTERS[name].matches(m) for m in modules):
+            return name
+    return "plain"
+
+
+def resolve_framework(state: dict, framework: str) -> ModuleAdapter:
+    """The adapter for `state`: `framework` checked against the layout found, or detected ("auto")."""
+    if not isinstance(state, dict):
+        raise UnsupportedValueError(f"state must be a dict (e.g. {{'model': model, 'optimizer': optim}}), "
+                                    f"got {type(state).__name__}")
+    if framework != "auto" and canonical_name(framework) not in (*_ADAPTERS, *_LAZY):
+        raise BCPError(f"unknown framework {framework!r}; expected one of {', '.join(known_frameworks())}")
+    found = detect_framework(state)
+    name = found if framework == "auto" else canonical_name(framework)
+    if (found == "fsdp1") != (name == "fsdp1"):
+        raise BCPError(f"framework={framework!r} but the model's layout is {found!r}; pass "
+                       f"framework={found!r} or 'auto'")
+    if name in ("plain", "ddp") and found == "dtensor":
+        raise BCPError(f"framework={framework!r} but the model holds DTensor parameters (FSDP2/TP); "
+                       "pass framework='dtensor' or 'auto'")
+    return get_adapter(name)
+
+
+__all__ = ["ModuleAdapter", "DDPAdapter", "DTensorAdapter", "register_adapter", "get_adapter", "detect_framework",
+           "resolve_framework", "canonical_name", "known_frameworks", "unwrap", "clean_fqn", "ALIASES"]

@@ -1,0 +1,160 @@
+"""From the user's `state` dict to flat FQN-keyed leaves, and back.
+
+Saving turns modules, optimizers, stateful objects and nested dicts into `SaveLeaf`s. Loading
+turns the same kinds of objects into `LoadTarget`s: a tensor to fill in place or a setter for a
+new value, plus finishers that hand the filled state back to optimizers and stateful objects.
+How a module or optimizer becomes FQN-keyed state is the adapter's business (bcp_core.adapters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .errors import UnsupportedValueError
+from .metadata import CheckpointMetadata
+from .shards import ObjectShard, is_tensor_like
+
+if TYPE_CHECKING:
+    from .adapters import ModuleAdapter
+
+PER_RANK_KEY = "extra_state"
+
+
+@dataclass
+class SaveLeaf:
+    fqn: str
+    value: Any          # torch.Tensor / DTensor, or a plain value
+    per_rank: bool      # differs per rank (extra_state): stored per rank, deduplicated
+
+
+@dataclass
+class LoadTarget:
+    fqn: str
+    per_rank: bool
+    tensor: Any = None                          # tensor or ShardedView, filled in place when not None
+    set_value: Callable[[Any], None] | None = None  # receives decoded objects / new tensors
+    optional: bool = False                      # absence is not a missing key (strict)
+    shard: ObjectShard | None = None            # receives a sharded object's shard (or a ShardReader)
+
+
+@dataclass
+class LoadTargets:
+    targets: dict[str, LoadTarget] = field(default_factory=dict)
+    finishers: list[Callable[[], None]] = field(default_factory=list)
+    # prefixes whose entries the checkpoint defines (optimizer state): never "unexpected" by absence
+    checkpoint_defined: list[str] = field(default_factory=list)
+    # plain dicts: checkpoint keys below them that the dict lacks are added to it
+    containers: list[tuple[str, dict]] = field(default_factory=list)
+    # modules / optimizers: checkpoint keys below them without a target are "unexpected"
+    structured: list[str] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- flattening
+
+def _is_stateful(v: Any) -> bool:
+    return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))
+
+
+def _fqn_map(adapter: ModuleAdapter, state: dict) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for v in state.values():
+        if isinstance(v, nn.Module):
+            for k, name in adapter.param_fqns(v).items():
+                out.setdefault(k, name)
+    return out
+
+
+def save_leaves(state: dict, adapter: ModuleAdapter) -> list[SaveLeaf]:
+    if not isinstance(state, dict):
+        raise UnsupportedValueError(f"state must be a dict, got {type(state).__name__}")
+    fqn_of = _fqn_map(adapter, state)
+    leaves: list[SaveLeaf] = []
+
+    def add_dict(prefix: str, d: dict, per_rank: bool) -> None:
+        for k, v in d.items():
+            if not isinstance(k, str):
+                raise UnsupportedValueError(f"key {k!r} under {prefix or 'state'!r} is not a string")
+            fqn = f"{prefix}.{k}" if prefix else k
+            add(fqn, v, per_rank)
+
+    def add(fqn: str, v: Any, per_rank: bool) -> None:
+        if isinstance(v, nn.Module):
+            add_dict(fqn, adapter.module_state(v), per_rank)
+        elif isinstance(v, torch.optim.Optimizer):
+            add_dict(fqn, adapter.optimizer_state(v, fqn, fqn_of), per_rank)
+        elif isinstance(v, dict):
+            add_dict(fqn, v, per_rank)
+        elif is_tensor_like(v):
+            leaves.append(SaveLeaf(fqn, v, per_rank))
+        elif _is_stateful(v):
+            add_dict(fqn, v.state_dict(), per_rank)
+        else:
+            leaves.append(SaveLeaf(fqn, v, per_rank))
+
+    for k, v in state.items():
+        add(k, v, k == PER_RANK_KEY)
+    seen: set[str] = set()
+    for leaf in leaves:
+        if leaf.fqn in seen:
+            raise UnsupportedValueError(f"key {leaf.fqn!r} appears twice after flattening the state")
+        seen.add(leaf.fqn)
+    return leaves
+
+
+def load_targets(state: dict, md: CheckpointMetadata, adapter: ModuleAdapter) -> LoadTargets:
+    if not isinstance(state, dict):
+        raise UnsupportedValueError(f"state must be a dict, got {type(state).__name__}")
+    fqn_of = _fqn_map(adapter, state)
+    out = LoadTargets()
+
+    def add_dict(prefix: str, d: dict, per_rank: bool, into: dict | None) -> None:
+        for k, v in list(d.items()):
+            fqn = f"{prefix}.{k}" if prefix else k
+
+            def setter(new, d=into, k=k):
+                if d is not None:
+                    d[k] = new
+            add(fqn, v, per_rank, setter)
+
+    def add(fqn: str, v: Any, per_rank: bool, setter) -> None:
+        if isinstance(v, nn.Module):
+            out.structured.append(fqn)
+            sd = adapter.module_state(v)
+            non_tensor = {k: x for k, x in sd.items() if not is_tensor_like(x)}
+            add_dict(fqn, sd, per_rank, sd)
+            if non_tensor:  # e.g. get_extra_state(): hand the new values back through load_state_dict
+                keys = list(non_tensor)
+                out.finishers.append(lambda m=v, sd=sd, keys=keys: adapter.load_module_values(
+                    m, {k: sd[k] for k in keys}))
+        elif isinstance(v, torch.optim.Optimizer):
+            out.structured.append(fqn)
+            adapter.optimizer_targets(v, fqn, fqn_of, md, out)
+        elif isinstance(v, dict):
+            out.containers.append((fqn, v))
+            add_dict(fqn, v, per_rank, v)
+        elif is_tensor_like(v):
+            out.targets[fqn] = LoadTarget(fqn, per_rank, tensor=v, set_value=setter)
+        elif isinstance(v, ObjectShard):
+            out.targets[fqn] = LoadTarget(fqn, per_rank, set_value=setter, shard=v)
+        elif _is_stateful(v):
+            # An object whose saved layout may differ from its own (a dataloader saved at another
+            # DP degree) names what to load in `bcp_load_template()`; the checkpoint's other keys
+            # below it are filled in as for any container, then the dict goes to load_state_dict.
+            template = getattr(v, "bcp_load_template", None)
+            sd = template() if callable(template) else v.state_dict()
+            out.containers.append((fqn, sd))
+            add_dict(fqn, sd, per_rank, sd)
+            out.finishers.append(lambda obj=v, sd=sd: obj.load_state_dict(sd))
+        else:
+            out.targets[fqn] = LoadTarget(fqn, per_rank, set_value=setter)
+
+    for k, v in state.items():
+        def top_setter(new, k=k):
+            state[k] = new
+        add(k, v, k == PER_RANK_KEY, top_setter)
+    return out

@@ -1,0 +1,157 @@
+"""Fork snapshots: a child process that keeps this rank's state as of the save call and writes it.
+
+Used by `save(..., snapshot="fork")` for a save that would otherwise copy into staging buffers not
+allocated yet (README, "Speed"). The parent and the child talk over two pipes in length-prefixed
+JSON messages; the child touches no accelerator, lock or network client of the parent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .errors import SaveError
+from .storage import LocalStorage, Storage
+
+log = logging.getLogger("bcp")
+
+
+class ForkSnapshot:
+    """A forked process that holds this rank's state as of the save call and writes it.
+
+    Fork gives the child the parent's memory copy-on-write: the state is frozen for the child at
+    the cost of the fork, and pages the training process modifies afterwards are copied by the
+    kernel, one at a time, while the child lives (so a step that follows before the write ends
+    pays for them). The child gets the plan's assignment as JSON on one pipe, writes its pieces
+    with the ordinary engine and answers the report as JSON on another; it touches no accelerator,
+    lock or network client of the parent and leaves with os._exit.
+    """
+
+    def __init__(self, pid: int, to_child: int, from_child: int):
+        self.pid: int | None = pid
+        self._to: int | None = to_child
+        self._from: int | None = from_child
+        self.closed = False
+
+    @classmethod
+    def start(cls, write: Callable[[dict], dict]) -> ForkSnapshot:
+        """Fork now. The child waits for its orders (a JSON dict), calls `write(orders)` on its copy of
+        the memory and answers the JSON report `write` returns."""
+        r_in, w_in = os.pipe()
+        r_out, w_out = os.pipe()
+        with _SNAPSHOT_FDS_LOCK:
+            pid = os.fork()
+            if pid == 0:  # the child: never returns
+                code = 1
+                try:
+                    # pipes of other snapshots in flight: this process must not hold them open
+                    for fd in [w_in, r_out, *_SNAPSHOT_FDS]:
+                        os.close(fd)
+                    _snapshot_child(write, r_in, w_out)
+                    code = 0
+                finally:
+                    os._exit(code)
+            _SNAPSHOT_FDS.update((w_in, r_out))
+        os.close(r_in)
+        os.close(w_out)
+        return cls(pid, w_in, r_out)
+
+    def send(self, orders: dict) -> None:
+        try:
+            _send_msg(self._to, orders)
+        except BrokenPipeError:
+            pass  # the child is gone: result() reports how it ended, through the commit like any error
+
+    def result(self) -> dict:
+        """The child's report, once it has written everything; its phases join this save's metrics."""
+        msg = _recv_msg(self._from)
+        status = self._reap()
+        if msg is None:
+            raise SaveError(f"the snapshot process ended without writing its pieces ({_exit_reason(status)})")
+        return msg
+
+    def close(self) -> None:
+        """Release the child: a child not told what to write reads end-of-file and leaves."""
+        if self.closed:
+            return
+        self.closed = True
+        with _SNAPSHOT_FDS_LOCK:
+            for fd in (self._to, self._from):
+                _SNAPSHOT_FDS.discard(fd)
+                os.close(fd)
+        self._reap()
+
+    def _reap(self) -> int:
+        pid, self.pid = self.pid, None
+        return os.waitpid(pid, 0)[1] if pid is not None else 0
+
+
+def _snapshot_child(write: Callable[[dict], dict], r_in: int, w_out: int) -> None:
+    torch.set_num_threads(1)  # an OpenMP team does not survive fork: keep torch from starting one
+    orders = _recv_msg(r_in)
+    if orders is None:
+        return  # the save ended before planning succeeded: nothing to write
+    _send_msg(w_out, write(orders))
+
+
+def can_fork(storage: Storage, tensors: list[torch.Tensor]) -> bool:
+    """Whether a save of `tensors` to `storage` can be snapshot by fork; if not, say why (the save
+    copies instead)."""
+    if not hasattr(os, "fork"):
+        reason = "no os.fork on this platform"
+    elif not isinstance(storage, LocalStorage):
+        reason = f"{storage.root} is not a local or memory:// path (network clients do not survive a fork)"
+    elif any(t.device.type != "cpu" for t in tensors):
+        reason = "the state holds accelerator tensors"
+    else:
+        return True
+    log.info("bcp: snapshot='fork' not possible here (%s); copying instead", reason)
+    return False
+
+
+# Both ends of every snapshot pipe the parent holds: a child forked later closes them, so that each
+# pipe has exactly one writer and one reader.
+_SNAPSHOT_FDS: set[int] = set()
+_SNAPSHOT_FDS_LOCK = threading.Lock()
+
+
+def _send_msg(fd: int, obj: Any) -> None:
+    """A JSON message, 8-byte length first (readers never wait for an end-of-file)."""
+    data = json.dumps(obj).encode()
+    view = memoryview(len(data).to_bytes(8, "little") + data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _recv_msg(fd: int) -> Any:
+    """The next message, or None when the other side closed first (or died)."""
+    head = _read_exactly(fd, 8)
+    if head is None:
+        return None
+    body = _read_exactly(fd, int.from_bytes(head, "little"))
+    return None if body is None else json.loads(body)
+
+
+def _read_exactly(fd: int, n: int) -> bytes | None:
+    chunks, left = [], n
+    while left:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _exit_reason(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"killed by signal {os.WTERMSIG(status)}"
+    return f"exit status {os.WEXITSTATUS(status)}"
+
+
