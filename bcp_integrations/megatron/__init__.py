@@ -9,6 +9,7 @@ from .adapter import (build_factories, flat_range_sharded_tensors, load, load_st
                       save, save_state)
 from .optimizer import fully_reshardable_param_state
 from .megatron_lm import add_ckpt_format_choice, bcp_selected, enable_megatron_lm
+from .preemption import exit_after_preemption
 from .strategy import BACKEND, VERSION, BcpLoadShardedStrategy, BcpSaveShardedStrategy, register_strategies
 
 register_strategies()
@@ -17,4 +18,5 @@ __all__ = [
     "BACKEND", "VERSION", "BcpSaveShardedStrategy", "BcpLoadShardedStrategy", "register_strategies",
     "save", "load", "save_state", "load_state", "build_factories", "merge_factories", "flat_range_sharded_tensors",
     "fully_reshardable_param_state", "enable_megatron_lm", "add_ckpt_format_choice", "bcp_selected",
+    "exit_after_preemption",
 ]
