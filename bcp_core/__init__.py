@@ -7,22 +7,27 @@
     bcp.load(path, state)                     # in place, at any world size / sharding
     bcp.inspect(path)                         # metadata only
     preemption = bcp.handle_preemption()      # SIGTERM -> last checkpoint at an agreed step -> exit
+
+The map of the package is docs/architecture.md.
 """
 
 from . import rng
-from .api import LoadResult, SaveHandle, inspect, load, prepare_save, resolve, save
-from .errors import (BCPError, ChecksumError, FormatVersionError, IncompleteCheckpointError,
-                     KeyMismatchError, MetadataError, NotACheckpointError, PickleNotAllowedError, PlanError,
-                     SaveError, ShapeMismatchError, StorageError, UnsafePathError, UnsupportedValueError)
-from .preemption import Preemption, handle_preemption
+from .api import inspect, load, prepare_save, resolve, save
+from .checkpointer import SaveHandle
+from .errors import (BCPError, ChecksumError, FormatVersionError, IncompleteCheckpointError, KeyMismatchError,
+                     MetadataError, NotACheckpointError, PickleNotAllowedError, PlanError, SaveError,
+                     ShapeMismatchError, StorageError, UnsafePathError, UnsupportedValueError)
+from .loader import LoadResult
 from .metadata import FORMAT_VERSION, CheckpointMetadata, Piece, TensorMeta
+from .preemption import Preemption, handle_preemption
 from .storage import LocalStorage, Storage, register_storage, storage_for
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "prepare_save", "load", "inspect", "resolve", "rng", "handle_preemption", "Preemption", "SaveHandle", "LoadResult", "CheckpointMetadata",
-    "TensorMeta", "Piece", "FORMAT_VERSION", "Storage", "LocalStorage", "register_storage", "storage_for",
+    "save", "prepare_save", "load", "inspect", "resolve", "rng", "handle_preemption", "Preemption",
+    "SaveHandle", "LoadResult", "CheckpointMetadata", "TensorMeta", "Piece", "FORMAT_VERSION",
+    "Storage", "LocalStorage", "register_storage", "storage_for",
     "BCPError", "ChecksumError", "FormatVersionError", "IncompleteCheckpointError", "KeyMismatchError",
     "MetadataError", "NotACheckpointError", "PickleNotAllowedError", "PlanError", "SaveError",
     "ShapeMismatchError", "StorageError", "UnsafePathError", "UnsupportedValueError",

@@ -43,7 +43,7 @@ from .layout import BCP_STEPS, write_tracker
 from .metadata import CHECKSUM_BLOCK_BYTES, METADATA_FILE, dtype_name
 from .save_planner import (Assignment, CommitStatus, GlobalSavePlan, LocalSavePlan, ObjectShardKey, PlanReply,
                            PlanRequest, RankValueKey, TensorBoxKey, WriteReport, build_metadata, failed_report,
-                           global_save_plan, local_save_plan)
+                           global_save_plan, local_save_plan, plan_replies)
 from .snapshot import ForkSnapshot, can_fork
 from .staging import StagingPool, box_sources, contiguous_cpu, pool_key
 from .storage import Storage, storage_for
@@ -244,7 +244,7 @@ class Checkpointer:
                 if ckpt is not None:
                     _invalidate(ckpt)
                     ckpt.makedirs()
-                replies = [codec.to_wire(PlanReply(a, self._token)) for a in gplan.assignments]
+                replies = plan_replies(gplan, self._token)
             except Exception as e:  # noqa: BLE001 - sent to every rank so that every rank raises
                 error_reply = codec.to_wire(PlanReply(None, None, _message(e)))
                 replies = [error_reply] * comm.world_size
@@ -491,6 +491,7 @@ def _with_metrics(report: WriteReport, records: list[dict]) -> WriteReport:
     return replace(report, metrics=tuple(records))
 
 
+@gc_paused  # one record per rank, each holding large lists: see utils.gc_paused
 def _expect(raw: list, cls: type, mismatch: str) -> list:
     """The coordinator's view of a gather: every rank's record, all of type `cls`, or SaveError."""
     records = [codec.from_wire(m) for m in raw]

@@ -149,6 +149,7 @@ def _numpy():
 # ----------------------------------------------------------------------------- records
 
 _RECORDS: dict[str, type] = {}
+_FIELDS: dict[type, tuple[str, ...]] = {}  # each record class's field names, in order
 
 
 def record(cls: type) -> type:
@@ -161,45 +162,47 @@ def record(cls: type) -> type:
     if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen):
         raise TypeError(f"{cls.__name__} must be a frozen dataclass to be a record")
     _RECORDS[cls.__name__] = cls
+    _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))
     return cls
-
-
-def _is_record(v: Any) -> bool:
-    return type(v).__name__ in _RECORDS and dataclasses.is_dataclass(v)
 
 
 def to_wire(rec: Any) -> dict:
     """A registered record as JSON-ready values."""
-    if not _is_record(rec):
+    names = _FIELDS.get(type(rec))
+    if names is None:
         raise TypeError(f"{type(rec).__name__} is not a registered record")
     fields = []
-    for f in dataclasses.fields(rec):
-        v = getattr(rec, f.name)
-        if _is_record(v):
+    for name in names:
+        v = getattr(rec, name)
+        if type(v) in _FIELDS:
             v = to_wire(v)
-        elif isinstance(v, (list, tuple)) and v and _is_record(v[0]):
+        elif isinstance(v, (list, tuple)) and v and type(v[0]) in _FIELDS:
             v = [to_wire(x) for x in v]
         fields.append(v)
     return {"record": type(rec).__name__, "fields": fields}
 
 
+def _is_wire_record(v: Any) -> bool:
+    return type(v) is dict and len(v) == 2 and "record" in v and "fields" in v
+
+
 def from_wire(raw: Any, expected: type | tuple[type, ...] | None = None) -> Any:
     """The record `raw` encodes; MetadataError if it is not one of the `expected` classes."""
-    if not (isinstance(raw, dict) and raw.keys() == {"record", "fields"} and raw["record"] in _RECORDS):
+    if not (_is_wire_record(raw) and raw["record"] in _RECORDS):
         raise MetadataError(f"expected a bcp record, got {str(raw)[:120]}")
     cls = _RECORDS[raw["record"]]
     if expected is not None and not issubclass(cls, expected):
         names = [c.__name__ for c in (expected if isinstance(expected, tuple) else (expected,))]
         raise MetadataError(f"expected a record of type {' or '.join(names)}, got {cls.__name__}")
-    fields = dataclasses.fields(cls)
     values = raw["fields"]
-    if not isinstance(values, list) or len(values) != len(fields):
-        raise MetadataError(f"record {cls.__name__}: expected {len(fields)} fields, got {values!r:.120}")
+    if type(values) is not list or len(values) != len(_FIELDS[cls]):
+        raise MetadataError(f"record {cls.__name__}: expected {len(_FIELDS[cls])} fields, got {values!r:.120}")
     out = []
     for v in values:
-        if isinstance(v, dict) and v.keys() == {"record", "fields"}:
-            v = from_wire(v)
-        elif isinstance(v, list):
-            v = tuple(from_wire(x) if isinstance(x, dict) and x.keys() == {"record", "fields"} else x for x in v)
+        if type(v) is dict:
+            if _is_wire_record(v):
+                v = from_wire(v)
+        elif type(v) is list:
+            v = tuple(from_wire(x) for x in v) if v and _is_wire_record(v[0]) else tuple(v)
         out.append(v)
     return cls(*out)

@@ -141,6 +141,12 @@ class WriteReport:
     error: str | None = None
 
 
+@gc_paused  # one reply per rank: see utils.gc_paused
+def plan_replies(gplan: GlobalSavePlan, token: str) -> list[dict]:
+    """Each rank's PlanReply, ready for the scatter."""
+    return [codec.to_wire(PlanReply(a, token)) for a in gplan.assignments]
+
+
 def failed_report(error: str) -> WriteReport:
     return WriteReport(None, {}, {}, (), {}, (), (), error)
 

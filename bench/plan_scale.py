@@ -3,7 +3,7 @@
 Builds every rank's save-plan structure for a Llama-3-405B layout under Megatron-style 3D
 parallelism (paper Table 8: TP=8, DP=70, PP=16) without allocating a tensor, then runs the real
 coordinator code on it: decode the gathered messages, `global_save_plan`, cut the reply per rank,
-build and serialise the global metadata (`_commit_metadata`, `CheckpointMetadata.dumps`), and
+build and serialise the global metadata (`build_metadata`, `CheckpointMetadata.dumps`), and
 plan a load for one rank of another layout (parse the metadata, `box_read_items` on meta
 tensors). Communication is replaced by what it carries: each rank's message is its JSON bytes,
 and the tree's combined gather message is their concatenation.
@@ -33,17 +33,20 @@ import tempfile
 import random
 import resource
 import time
-from types import SimpleNamespace
 
 import torch
 
-from bcp_core.checkpointer import CachedPlan, _commit_metadata, _per_rank_replies
-from bcp_core.api import read_metadata
+from bcp_core import codec
 from bcp_core.comm import _decode, build_tree, subtree_messages
+from bcp_core.engine import WrittenPiece
+from bcp_core.load_planner import box_read_items
+from bcp_core.loader import read_metadata
 from bcp_core.metadata import CHECKSUM_BLOCK_BYTES, METADATA_FILE, num_blocks
-from bcp_core.planner import box_read_items, digest, gc_paused, global_save_plan
+from bcp_core.save_planner import (ObjectShardKey, PlanRequest, RankValueKey, SaveStructure, TensorBoxKey,
+                                   WriteReport, build_metadata, global_save_plan, plan_replies)
 from bcp_core.shards import Box, range_boxes
 from bcp_core.storage import storage_for
+from bcp_core.utils import gc_paused
 
 OPT_STATES = ("fp32_param", "exp_avg", "exp_avg_sq")
 
@@ -115,10 +118,9 @@ def rank_structure(stage_params, tp, dp, t, d, zero):
     for fqn, boxes in opt_boxes.items():
         for state in OPT_STATES:
             tensors.append([f"optimizer.state.{fqn}.{state}", "float32", list(by_fqn[fqn]), boxes])
-    return {"tensors": tensors,
-            "objects": ["optimizer.param_groups", "iteration", "args", "checkpoint_version"],
-            "per_rank": [["extra_state.rng", None, None], ["extra_state.cuda_rng", "uint8", [16]]],
-            "sharded_objects": [["dataloader.rank", [dp], [d]]]}
+    return SaveStructure(tuple(tensors), ("optimizer.param_groups", "iteration", "args", "checkpoint_version"),
+                         (("extra_state.rng", None, None), ("extra_state.cuda_rng", "uint8", [16])),
+                         (("dataloader.rank", [dp], [d]),))
 
 
 def rank_coords(rank, tp, dp):
@@ -131,26 +133,32 @@ def fake_reports(structures, gplan, rng, tp, dp):
     reports = []
     for r, st in enumerate(structures):
         pieces, pos = [], 0
-        for ti, bi in gplan.assignments[r]["write"]:
-            fqn, dt, _, boxes = st["tensors"][ti]
+        file = f"data/r{r}_0.safetensors"
+        for ti, bi in gplan.assignments[r].boxes:
+            fqn, dt, _, boxes = st.tensors[ti]
             offs, lens = boxes[bi]
             nbytes = math.prod(lens) * (2 if dt == "bfloat16" else 4)
-            sums = [rng.getrandbits(64) for _ in range(num_blocks(nbytes, CHECKSUM_BLOCK_BYTES))]
-            pieces.append([["t", fqn, offs, lens], f"data/r{r}_0.safetensors", pos, nbytes, sums])
+            sums = tuple(rng.getrandbits(64) for _ in range(num_blocks(nbytes, CHECKSUM_BLOCK_BYTES)))
+            pieces.append(WrittenPiece(TensorBoxKey(fqn, tuple(offs), tuple(lens)), file, pos, nbytes, sums))
             pos += nbytes
-        for i in gplan.assignments[r]["shards"]:
-            fqn, _, index = st["sharded_objects"][i]
-            pieces.append([["o", fqn, index], f"data/r{r}_0.safetensors", pos, 300, [rng.getrandbits(64)]])
+        for i in gplan.assignments[r].shards:
+            fqn, _, index = st.sharded_objects[i]
+            pieces.append(WrittenPiece(ObjectShardKey(fqn, tuple(index)), file, pos, 300, (rng.getrandbits(64),)))
             pos += 300
-        pieces.append([["v", "extra_state.cuda_rng"], f"data/r{r}_0.safetensors", pos, 16, [rng.getrandbits(64)]])
-        reports.append({
-            "kind": "report", "key": digest(json.dumps(st, separators=(",", ":")).encode()),
-            "objects": {"optimizer.param_groups": [{"lr": 1e-4, "params": ["..."]}], "iteration": 1000,
-                        "args": {"tp": 8}, "checkpoint_version": 3.0} if r == 0 else {},
-            "per_rank": {"extra_state.rng": {"seed": r % 70},
-                         "extra_state.cuda_rng": ["uint8", [16], f"{r % 7:032x}"]},
-            "shard_digests": [f"{rank_coords(r, tp, dp)[1]:032x}"], "object_digests": {}, "pieces": pieces})
+        pieces.append(WrittenPiece(RankValueKey("extra_state.cuda_rng"), file, pos, 16, (rng.getrandbits(64),)))
+        reports.append(WriteReport(
+            st.digest(),
+            {"optimizer.param_groups": [{"lr": 1e-4, "params": ["..."]}], "iteration": 1000,
+             "args": {"tp": 8}, "checkpoint_version": 3.0} if r == 0 else {},
+            {"extra_state.rng": {"seed": r % 70}, "extra_state.cuda_rng": ["uint8", [16], f"{r % 7:032x}"]},
+            (f"{rank_coords(r, tp, dp)[1]:032x}",), {}, tuple(pieces)))
     return reports
+
+
+@gc_paused
+def decode_requests(combined: bytes) -> list[PlanRequest]:
+    """What the coordinator's gather does with the tree's combined message."""
+    return [codec.from_wire(m, PlanRequest) for m in _decode(combined)]
 
 
 def peak_mib() -> float:
@@ -188,21 +196,20 @@ def main(argv=None) -> dict:
     for r in range(world):
         t, d, p = rank_coords(r, a.tp, a.dp)
         st = rank_structure(stages[p], a.tp, a.dp, t, d, a.zero)
-        key = digest(json.dumps(st, separators=(",", ":")).encode())
-        messages.append(json.dumps({"kind": "plan", "key": key, "structure": st}, separators=(",", ":")).encode())
+        messages.append(json.dumps(codec.to_wire(PlanRequest(st.digest(), st)), separators=(",", ":")).encode())
     out["build_messages_s"] = time.perf_counter() - t0
     out["gathered_mib"] = sum(map(len, messages)) / 2**20
-    out["boxes"] = sum(len(b[3]) for m in messages[:1] for b in json.loads(m)["structure"]["tensors"])
+    out["boxes"] = sum(len(b[3]) for m in messages[:1] for b in codec.from_wire(json.loads(m)).structure.tensors)
 
     # The cached-plan path: a rank whose structure is unchanged hashes it, finds the plan, and
     # sends nothing (the cost of one rank: its structure's encoding and digest, then a lookup).
     t, d, p = rank_coords(0, a.tp, a.dp)
     st0 = rank_structure(stages[p], a.tp, a.dp, t, d, a.zero)
-    cache = {digest(json.dumps(st0, separators=(",", ":")).encode()): "plan"}
+    cache = {st0.digest(): "plan"}
     t0 = time.perf_counter()
     reps = 20
     for _ in range(reps):
-        assert digest(json.dumps(st0, separators=(",", ":")).encode()) in cache
+        assert st0.digest() in cache
     out["cached_plan_ms"] = (time.perf_counter() - t0) / reps * 1e3
 
     # 2. The coordinator: the tree's combined message (concatenated at the leaders), decoded once.
@@ -218,14 +225,14 @@ def main(argv=None) -> dict:
     del messages
     gc.collect()
     t_plan = time.perf_counter()
-    msgs = _decode(combined)  # what Comm.gather does with the combined message
+    msgs = decode_requests(combined)
     del combined
     t1 = time.perf_counter()
-    structures = [m["structure"] for m in msgs]
+    structures = [m.structure for m in msgs]
     gplan = global_save_plan(structures)
     t2 = time.perf_counter()
     # the coordinator's part of the scatter: one message per child, holding its subtree's replies
-    replies = _per_rank_replies({"kind": "plan", "assignments": gplan.assignments, "token": "0" * 8}, world)
+    replies = plan_replies(gplan, "0" * 8)
     to_children = subtree_messages(tree, 0, replies)
     t3 = time.perf_counter()
     out["decode_s"], out["global_plan_s"], out["scatter_encode_s"] = t1 - t_plan, t2 - t1, t3 - t2
@@ -237,7 +244,8 @@ def main(argv=None) -> dict:
     out["reply_bytes_total"] = sum(n * depth[r] for r, n in enumerate(sizes))
     out["coordinator_sends_mib"] = sum(map(len, to_children.values())) / 2**20
     # the old flat broadcast sent every rank all assignments
-    out["broadcast_bytes_total_flat"] = len(json.dumps(gplan.assignments, separators=(",", ":"))) * world
+    out["broadcast_bytes_total_flat"] = len(json.dumps([codec.to_wire(x) for x in gplan.assignments],
+                                                       separators=(",", ":"))) * world
     loads = gplan.bytes_per_rank
     out["write_bytes_max_gib"] = max(loads) / 2**30
     out["write_bytes_mean_gib"] = sum(loads) / len(loads) / 2**30
@@ -245,12 +253,11 @@ def main(argv=None) -> dict:
 
     # 3. Commit: every rank's report (pieces with checksums) -> global metadata, serialised.
     reports = fake_reports(structures, gplan, rng, a.tp, a.dp)
-    job = SimpleNamespace(cached=CachedPlan({}, gplan, [rep["key"] for rep in reports]),
-                          framework="megatron", user_metadata={})
+    rank_keys = [m.key for m in msgs]
     del msgs, structures
     gc.collect()
     t0 = time.perf_counter()
-    md = _commit_metadata(job, reports, world)
+    md = build_metadata(gplan, rank_keys, reports, "megatron", {})
     t1 = time.perf_counter()
     raw = gc_paused(md.dumps)()  # as the commit does
     out["metadata_build_s"], out["metadata_dumps_s"] = t1 - t0, time.perf_counter() - t1
@@ -258,7 +265,7 @@ def main(argv=None) -> dict:
     out["pieces"] = sum(len(tm.pieces) for tm in md.tensors.values())
     out["checkpoint_tib"] = sum(tm.nbytes for tm in md.tensors.values()) / 2**40
     out["peak_mib_after_metadata"] = peak_mib()
-    del reports, job, md, gplan
+    del reports, md, gplan
     gc.collect()
 
     # 4. Load planning for rank 0 of another layout (load_tp x load_pp, same DP product): parse the
@@ -273,7 +280,7 @@ def main(argv=None) -> dict:
     load_dp = world // (a.load_tp * a.load_pp)
     target = rank_structure(lstages[0], a.load_tp, load_dp, 0, 0, a.zero)
     items = 0
-    for fqn, _, _, boxes in target["tensors"]:
+    for fqn, _, _, boxes in target.tensors:
         tm = md.tensors[fqn]
         for offs, lens in boxes:
             view = torch.empty(lens, dtype=tm.dtype, device="meta")
