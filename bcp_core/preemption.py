@@ -105,7 +105,8 @@ class Preemption:
                 log.error("bcp: rank %d: the save to %s was not committed before the preempted exit: %s",
                           rank, path, exc)
             sys.exit(1)
-        log.info("bcp: checkpoint committed; exiting with status %d after preemption", self.exit_code)
+        log.warning("bcp: every save committed; exiting with status %d after %s", self.exit_code,
+                    signal.Signals(self.signum).name if self.signum else "the preemption request")
         sys.exit(self.exit_code)
 
     def close(self) -> None:
