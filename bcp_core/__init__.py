@@ -12,7 +12,7 @@ The map of the package is docs/architecture.md.
 """
 
 from . import rng
-from .api import inspect, load, prepare_save, resolve, save
+from .api import inspect, load, mutating, prepare_save, resolve, save
 from .checkpointer import SaveHandle
 from .errors import (BCPError, ChecksumError, FormatVersionError, IncompleteCheckpointError, KeyMismatchError,
                      MetadataError, NotACheckpointError, PickleNotAllowedError, PlanError, SaveError,
@@ -25,7 +25,7 @@ from .storage import LocalStorage, Storage, register_storage, storage_for
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "prepare_save", "load", "inspect", "resolve", "rng", "handle_preemption", "Preemption",
+    "save", "prepare_save", "load", "inspect", "resolve", "mutating", "rng", "handle_preemption", "Preemption",
     "SaveHandle", "LoadResult", "CheckpointMetadata", "TensorMeta", "Piece", "FORMAT_VERSION",
     "Storage", "LocalStorage", "register_storage", "storage_for",
     "BCPError", "ChecksumError", "FormatVersionError", "IncompleteCheckpointError", "KeyMismatchError",

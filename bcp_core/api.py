@@ -11,7 +11,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import timedelta
 
-from . import layout
+from . import layout, staging
 from .checkpointer import SaveHandle, get_checkpointer
 from .comm import DEFAULT_TIMEOUT
 from .loader import LoadResult, load_checkpoint, read_metadata
@@ -24,26 +24,34 @@ from .storage import Storage
 def save(path: str | os.PathLike, state: dict, framework: str = "auto", async_save: bool = False, *,
          step: int | None = None, role: str = "default", process_group=None, allow_pickle: bool = False,
          fsync: bool = True, num_threads: int = 4, user_metadata: dict | None = None,
-         on_commit: Callable[[str], None] | None = None, snapshot: str = "copy",
+         on_commit: Callable[[str], None] | None = None, snapshot: str = "lazy",
          timeout: timedelta = DEFAULT_TIMEOUT) -> SaveHandle:
     """Save `state` from every rank into the checkpoint at `path`. Collective: call on all ranks.
 
     With `step`, `path` is a root: the checkpoint goes to `path/step_<step>` and the root's `latest`
     tracker points at it once committed. Without, `path` is the checkpoint directory itself.
 
-    With `async_save=True` the call returns once this rank's share is copied into reused staging
-    buffers; writing and committing continue in the background. `handle.wait()` blocks until the
+    With `async_save=True` the call returns at once; writing and committing continue in the
+    background. What the checkpoint holds is the state as of the call (`snapshot`):
+
+    - "lazy" (default): parameters and optimizer state are copied into reused staging buffers in
+      the background while training runs forward and backward; the next optimizer step waits
+      until they are copied. Everything else is copied before the call returns. State written in
+      place outside an optimizer step must be written inside `with bcp.mutating(): ...`
+      (docs/async.md has the exact rule).
+    - "copy": everything is copied before the call returns.
+    - "fork" (CPU state, local or memory:// paths): a save that would copy into staging buffers
+      not yet allocated (the first of a structure) forks instead; the child process keeps the
+      state as of the call, copy-on-write, and writes it, while the staging buffers are allocated
+      in the background for the next save. Pages training modifies before the child is done are
+      copied by the kernel then (README, "Speed").
+
+    `handle.wait()` blocks until the
     checkpoint is durable and committed; a background failure is raised by `wait()` and, at the
     latest, by the next `save` of the same `role`. `on_commit(path)` runs on every rank once the
     checkpoint is committed. Each `role` (e.g. "actor", "critic") has its own plan cache, staging
     buffers and queue. A second save whose structure is unchanged reuses the cached plan and
     performs no planning collective.
-
-    `snapshot="fork"` (async saves of CPU state to a local or memory:// path): a save that would
-    copy into staging buffers not yet allocated (the first of a structure) forks instead; the
-    child process keeps the state as of the call, copy-on-write, and writes it, while the staging
-    buffers are allocated in the background for the next save. The stall is the fork; pages that
-    training modifies before the child is done are copied by the kernel then (README, "Speed").
     """
     return get_checkpointer(role).save(
         path, state, framework, async_save, step=step, process_group=process_group, allow_pickle=allow_pickle,
@@ -66,6 +74,13 @@ def prepare_save(state: dict, framework: str = "auto", async_save: bool = True, 
     """
     return get_checkpointer(role).prepare(state, framework, async_save, process_group=process_group,
                                           allow_pickle=allow_pickle, timeout=timeout)
+
+
+def mutating():
+    """Context manager around code that writes saved parameters or optimizer state in place
+    outside an optimizer step (an EMA kept in a module's parameters, weight surgery,
+    `load_state_dict`): lazy snapshots of saves in flight are completed first."""
+    return staging.mutating()
 
 
 # ----------------------------------------------------------------------------- load / inspect

@@ -45,13 +45,17 @@ from .save_planner import (Assignment, CommitStatus, GlobalSavePlan, LocalSavePl
                            PlanRequest, RankValueKey, TensorBoxKey, WriteReport, build_metadata, failed_report,
                            global_save_plan, local_save_plan, plan_replies)
 from .snapshot import ForkSnapshot, can_fork
-from .staging import StagingPool, box_sources, contiguous_cpu, pool_key
+from .staging import LazyCopy, StagingPool, box_sources, contiguous_cpu, pool_key
 from .storage import Storage, storage_for
 from .utils import digest, gc_paused, this_rank
 
 log = logging.getLogger("bcp")
 
 PLAN_CACHE_SIZE = 4
+# How an async save captures the state: "lazy" copies parameters and optimizer state after the call
+# returns, until the next optimizer step (staging.py); "copy" copies everything before returning;
+# "fork" snapshots a first save by forking (snapshot.py).
+SNAPSHOTS = ("lazy", "copy", "fork")
 
 
 class SaveHandle:
@@ -108,6 +112,7 @@ class SaveJob:
     snapshot: ForkSnapshot | None = None         # snapshot='fork': the process holding the state
     staged: dict | None = None                   # (ti, bi) -> staged copy (async saves)
     staged_per_rank: list | None = None
+    lazy: LazyCopy | None = None                 # the staged copies still being made (lazy snapshot)
 
 
 class Checkpointer:
@@ -132,10 +137,10 @@ class Checkpointer:
     def save(self, path, state: dict, framework: str = "auto", async_save: bool = False, *,
              step: int | None = None, process_group=None, allow_pickle: bool = False, fsync: bool = True,
              num_threads: int = 4, user_metadata: dict | None = None,
-             on_commit: Callable[[str], None] | None = None, snapshot: str = "copy",
+             on_commit: Callable[[str], None] | None = None, snapshot: str = "lazy",
              timeout: timedelta = DEFAULT_TIMEOUT) -> SaveHandle:
-        if snapshot not in ("copy", "fork"):
-            raise ValueError(f"snapshot must be 'copy' or 'fork', got {snapshot!r}")
+        if snapshot not in SNAPSHOTS:
+            raise ValueError(f"snapshot must be one of {', '.join(map(repr, SNAPSHOTS))}, got {snapshot!r}")
         self._raise_background_errors()
         root = storage_for(path, fsync=fsync)
         name = BCP_STEPS.name(step) if step is not None else ""
@@ -168,7 +173,7 @@ class Checkpointer:
             if snapshot == "fork" and self._pool_is_cold(job) and can_fork(job.ckpt, _plan_tensors(plan)):
                 rec.run(self._fork, job)
             else:
-                rec.run(self._stage, job)
+                rec.run(self._stage, job, lazy=snapshot == "lazy")
         handle = SaveHandle(ckpt.root, self._start(rec.run, self._run, comm, job, finish=True), rec)
         self._pending.append((handle, job))
         _register_exit_flush()  # at every async save: a pool library imported since must not run first
@@ -264,11 +269,14 @@ class Checkpointer:
 
     # -- stage -------------------------------------------------------------------------------------
 
-    @metrics.timed("stage", nbytes=lambda _, self, job: sum(b.nbytes for b in job.staged.values()))
-    def _stage(self, job: SaveJob) -> None:
-        """Copy what this rank may write into reused host buffers: the only part of an async save that stalls.
+    @metrics.timed("stage", nbytes=lambda _, self, job, lazy: sum(b.nbytes for b in job.staged.values()) -
+                   (job.lazy.nbytes if job.lazy is not None else 0))
+    def _stage(self, job: SaveJob, lazy: bool) -> None:
+        """Copy what this rank may write into reused host buffers: the only part of an async save that
+        stalls. With `lazy`, parameters and optimizer state are copied after the call instead, until
+        the next optimizer step (staging.LazyCopy); the rest is copied now.
 
-        With a cached plan that is exactly the boxes assigned to this rank. Without one, planning
+        With a cached plan the boxes are exactly those assigned to this rank. Without one, planning
         happens in the background, so every box this rank holds is copied (a copy of the local
         shard: the floor of any snapshot) and the plan picks from them later.
         """
@@ -288,16 +296,20 @@ class Checkpointer:
             self._raise_background_errors()
             got = self._pool.acquire(key, sources)
         slot, buffers = got
+        job.slot = (key, slot)
+        later = [(buf, src) for (ti, _), buf, src in zip(boxes, buffers, sources) if lazy and plan.stepped[ti]]
+        now = [(buf, src) for (ti, _), buf, src in zip(boxes, buffers, sources) if not (lazy and plan.stepped[ti])]
         cuda = False
         with torch.no_grad():
-            for buf, src in zip(buffers, sources):
+            for buf, src in now:
                 cuda |= src.device.type == "cuda"
                 buf.copy_(src.detach(), non_blocking=src.device.type == "cuda")
         if cuda:
             torch.cuda.current_stream().synchronize()
         job.staged = dict(zip(boxes, buffers))
         job.staged_per_rank = [(fqn, t.to("cpu", copy=True)) for fqn, t in plan.per_rank_tensors]
-        job.slot = (key, slot)
+        if later:
+            job.lazy = LazyCopy(later, name=f"bcp-snapshot-{self.role}")
 
     def _pool_is_cold(self, job: SaveJob) -> bool:
         """No warm staging buffers for this plan yet: a copy would fault in fresh memory."""
@@ -371,6 +383,11 @@ class Checkpointer:
         """Write this rank's assignment: from the forked snapshot, the staged copies or the live state."""
         prefix = f"{self._token}-{job.number}-"  # the coordinator's token arrived with the first plan
         assignment = job.cached.assignment
+        if job.lazy is not None:
+            job.lazy.wait_copied()
+            rec = metrics.current()
+            if rec is not None:  # the copies ran beside training: their own phase, not the stall
+                rec.add("snapshot", job.lazy.started, job.lazy.ended, job.lazy.nbytes)
         if job.snapshot is None:
             staged = None if job.staged is None else [job.staged[tuple(tb)] for tb in assignment.boxes]
             return _write(job, assignment, staged, job.staged_per_rank, rank, prefix)
@@ -391,6 +408,8 @@ class Checkpointer:
         return codec.from_wire(msg["report"], WriteReport)
 
     def _release(self, job: SaveJob) -> None:
+        if job.lazy is not None:
+            job.lazy.finish()  # the copy thread must be done with the slot before another save takes it
         if job.snapshot is not None:
             job.snapshot.close()
         if job.slot is not None:

@@ -17,7 +17,7 @@ from torch import nn
 
 from .errors import UnsupportedValueError
 from .metadata import CheckpointMetadata
-from .shards import ObjectShard, is_tensor_like
+from .shards import ObjectShard, ShardedView, is_dtensor, is_tensor_like
 
 if TYPE_CHECKING:
     from .adapters import ModuleAdapter
@@ -30,6 +30,7 @@ class SaveLeaf:
     fqn: str
     value: Any          # torch.Tensor / DTensor, or a plain value
     per_rank: bool      # differs per rank (extra_state): stored per rank, deduplicated
+    stepped: bool = False  # a parameter or optimizer state: changes in place only in an optimizer step
 
 
 @dataclass
@@ -69,28 +70,53 @@ def _fqn_map(adapter: ModuleAdapter, state: dict) -> dict[int, str]:
     return out
 
 
+def storage_of(t: Any) -> int:
+    """The address of the storage `t` (a tensor, DTensor or ShardedView) lives in; 0 if none."""
+    if is_dtensor(t):
+        t = t._local_tensor
+    elif isinstance(t, ShardedView):
+        if not t.boxes:
+            return 0
+        t = t.boxes[0].view
+    return t.untyped_storage().data_ptr() if t.numel() else 0
+
+
+def _parameter_storages(state: dict) -> set[int]:
+    """Storages of the parameters of the state's modules and optimizers (lazily snapshot, see
+    bcp_core.staging): an optimizer step is the only training code that writes them in place."""
+    out: set[int] = set()
+    for v in state.values():
+        params = v.parameters() if isinstance(v, nn.Module) else \
+            (p for g in v.param_groups for p in g["params"]) if isinstance(v, torch.optim.Optimizer) else ()
+        out.update(storage_of(p) for p in params)
+    out.discard(0)
+    return out
+
+
 def save_leaves(state: dict, adapter: ModuleAdapter) -> list[SaveLeaf]:
     if not isinstance(state, dict):
         raise UnsupportedValueError(f"state must be a dict, got {type(state).__name__}")
     fqn_of = _fqn_map(adapter, state)
+    params = _parameter_storages(state)
     leaves: list[SaveLeaf] = []
 
-    def add_dict(prefix: str, d: dict, per_rank: bool) -> None:
+    def add_dict(prefix: str, d: dict, per_rank: bool, in_optimizer: bool = False) -> None:
         for k, v in d.items():
             if not isinstance(k, str):
                 raise UnsupportedValueError(f"key {k!r} under {prefix or 'state'!r} is not a string")
             fqn = f"{prefix}.{k}" if prefix else k
-            add(fqn, v, per_rank)
+            add(fqn, v, per_rank, in_optimizer)
 
-    def add(fqn: str, v: Any, per_rank: bool) -> None:
+    def add(fqn: str, v: Any, per_rank: bool, in_optimizer: bool = False) -> None:
         if isinstance(v, nn.Module):
             add_dict(fqn, adapter.module_state(v), per_rank)
         elif isinstance(v, torch.optim.Optimizer):
-            add_dict(fqn, adapter.optimizer_state(v, fqn, fqn_of), per_rank)
+            add_dict(fqn, adapter.optimizer_state(v, fqn, fqn_of), per_rank, in_optimizer=True)
         elif isinstance(v, dict):
-            add_dict(fqn, v, per_rank)
+            add_dict(fqn, v, per_rank, in_optimizer)
         elif is_tensor_like(v):
-            leaves.append(SaveLeaf(fqn, v, per_rank))
+            stepped = not per_rank and (in_optimizer or storage_of(v) in params or getattr(v, "stepped", False))
+            leaves.append(SaveLeaf(fqn, v, per_rank, stepped))
         elif _is_stateful(v):
             add_dict(fqn, v.state_dict(), per_rank)
         else:

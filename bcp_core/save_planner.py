@@ -172,6 +172,7 @@ class LocalSavePlan:
     structure: SaveStructure
     key: str
     tensors: list[tuple[str, LocalTensor]]
+    stepped: list[bool]                         # tensors[i] changes in place only in an optimizer step
     per_rank_tensors: list[tuple[str, torch.Tensor]]
     shard_values: list[bytes]                   # each object shard's JSON bytes
     objects: dict = field(default_factory=dict)
@@ -182,6 +183,7 @@ class LocalSavePlan:
 
 def local_save_plan(leaves: list[SaveLeaf], rank: int, allow_pickle: bool) -> LocalSavePlan:
     tensors: list[tuple[str, LocalTensor]] = []
+    stepped: list[bool] = []
     st_tensors, st_objects, st_per_rank, st_shards = [], [], [], []
     per_rank_tensors, shard_values = [], []
     objects, per_rank, shard_digests, object_digests = {}, {}, [], {}
@@ -208,6 +210,7 @@ def local_save_plan(leaves: list[SaveLeaf], rank: int, allow_pickle: bool) -> Lo
         elif is_tensor_like(v):
             lt = local_tensor(v)
             tensors.append((leaf.fqn, lt))
+            stepped.append(leaf.stepped)
             st_tensors.append(TensorEntry(leaf.fqn, dtype_name(lt.dtype), list(lt.global_shape),
                                           [[list(b.offsets), list(b.lengths)] for b in lt.boxes]))
         else:
@@ -219,7 +222,7 @@ def local_save_plan(leaves: list[SaveLeaf], rank: int, allow_pickle: bool) -> Lo
                 objects[leaf.fqn] = encoded
             object_digests[leaf.fqn] = digest(json.dumps(encoded, sort_keys=True).encode())
     structure = SaveStructure(tuple(st_tensors), tuple(st_objects), tuple(st_per_rank), tuple(st_shards))
-    return LocalSavePlan(structure, structure.digest(), tensors, per_rank_tensors, shard_values, objects,
+    return LocalSavePlan(structure, structure.digest(), tensors, stepped, per_rank_tensors, shard_values, objects,
                          per_rank, tuple(shard_digests), object_digests)
 
 

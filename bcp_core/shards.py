@@ -52,10 +52,14 @@ class ShardedView:
     storage, so saving reads from it and loading writes into it in place.
     """
 
-    def __init__(self, global_shape: tuple[int, ...], dtype: torch.dtype, boxes: list[Box] | tuple[Box, ...]):
+    def __init__(self, global_shape: tuple[int, ...], dtype: torch.dtype, boxes: list[Box] | tuple[Box, ...],
+                 stepped: bool = False):
         self.shape = tuple(global_shape)
         self.dtype = dtype
         self.boxes = tuple(boxes)
+        # the data changes in place only in an optimizer step (parameters, optimizer state): an async
+        # save may copy it after the call, until the next step (bcp_core.staging)
+        self.stepped = stepped
 
     def __bcp_local_tensor__(self) -> LocalTensor:
         return LocalTensor(self.shape, self.dtype, self.boxes)

@@ -208,5 +208,5 @@ def test_fork_snapshot_holds_the_values_of_the_call(tmp_path):
         assert r["forked"] == [True, False, False]  # then the warmed staging buffers
         assert r["child_phases"] == ["checksum", "fsync", "write"]  # the child's phases are reported
         assert r["pool_bytes"] > 0
-    with pytest.raises(ValueError, match="snapshot must be 'copy' or 'fork'"):
+    with pytest.raises(ValueError, match="snapshot must be one of 'lazy', 'copy', 'fork'"):
         bcp.save(str(tmp_path / "x"), {"w": torch.ones(2)}, async_save=True, snapshot="cow")
