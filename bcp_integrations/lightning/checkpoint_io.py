@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from abc import ABC
@@ -12,14 +13,19 @@ from typing import Any
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import (DDPStrategy, FSDPStrategy, ModelParallelStrategy,
                                           SingleDeviceStrategy, Strategy)
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import bcp_core as bcp
 from bcp_core import codec, metrics
 from bcp_core.dataloader import loadable_loader_state, saved_loader_state
 from bcp_core.rng import rng_state, set_rng_state
+
+log = logging.getLogger("bcp")
 
 # Keys of Lightning's checkpoint dict that bcp replaces with the live model and optimizers.
 _TENSOR_KEYS = ("state_dict", "optimizer_states")
@@ -38,20 +44,39 @@ class BCPCheckpointIO(CheckpointIO):
         save_rng: also save each rank's RNG states (torch, CUDA, ``random``, numpy) and restore
             them on load, which Lightning's own checkpoints do not do.
         num_threads: I/O threads per rank.
+        preemption: on SIGTERM, take a last checkpoint at a step every rank agrees on (Lightning's
+            HPC path ``hpc_ckpt_<n>.ckpt`` in ``default_root_dir``, which ``fit(ckpt_path="hpc")``
+            and SLURM's auto-resume pick up), commit it and every save in flight, and exit with
+            status 143 (see `bcp.handle_preemption`). Installs the handler now, so construct the
+            plugin on every rank from the main thread, before ``fit``.
+
+    A save still in flight when the script ends (after ``fit``, ``sys.exit``, an exception) is
+    committed before the process exits, or the process exits 1 naming it.
     """
 
     def __init__(self, async_save: bool = True, allow_pickle: bool = False, save_rng: bool = True,
-                 num_threads: int = 4):
+                 num_threads: int = 4, preemption: bool = False):
         self.async_save = async_save
         self.allow_pickle = allow_pickle
         self.save_rng = save_rng
         self.num_threads = num_threads
+        # Installed before fit: Lightning's signal connector, set up when fit starts, keeps the
+        # SIGTERM handler it finds and calls it after its own.
+        self.preemption: bcp.Preemption | None = bcp.handle_preemption() if preemption else None
         self._pending: bcp.SaveHandle | None = None
         self._pending_path: str | None = None
         self._metrics: metrics.LatestScalars | None = None  # created on first use (it holds a lock)
         # Lightning's spawn launcher moves rank 0's results to the main process through the
         # CheckpointIO as a single file; those direct calls stay plain torch files.
         self._files = TorchCheckpointIO()
+
+    def __getstate__(self) -> dict:
+        # spawn launchers pickle the plugin into new processes: the handler belongs to this one
+        return {**self.__dict__, "preemption": self.preemption is not None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.preemption = bcp.handle_preemption() if state["preemption"] else None
 
     # -- the CheckpointIO interface, for calls that do not come through a bound strategy --------
 
@@ -195,11 +220,64 @@ class BCPStrategyMixin(ABC):  # noqa: B024 - ABC for the object layout, not for 
         if self.is_global_zero:
             self.bcp_io.remove_checkpoint(filepath)
 
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        if self.bcp_io.preemption is not None and not any(isinstance(c, PreemptionCheckpoint)
+                                                          for c in trainer.callbacks):
+            trainer.callbacks.append(PreemptionCheckpoint(self.bcp_io.preemption))
+
     def teardown(self) -> None:
         # FSDPStrategy and ModelParallelStrategy do not call checkpoint_io.teardown themselves.
         self.bcp_io.wait()
         self.bcp_io.log_metrics(self)
         super().teardown()
+
+
+class PreemptionCheckpoint(Callback):
+    """Added by the mixin for ``BCPCheckpointIO(preemption=True)``: the step-boundary check and the
+    final checkpoint.
+
+    Two ways lead to the final checkpoint, whichever comes first:
+
+    - bcp's: after each optimizer step every rank asks ``preemption.stop_requested()``; the ranks
+      stop at the boundary after the first one that saw SIGTERM.
+    - Lightning's: its own SIGTERM handler (called before bcp's) makes the loop raise
+      ``SIGTERMException`` after the step in progress, on each rank that received the signal and,
+      through a broadcast of rank 0's flag at the start of the next step, on all of them; every
+      callback's ``on_exception`` sees it. With the signal sent to every rank (torchrun, SLURM)
+      this usually comes first, one boundary before bcp's. Lightning's handler itself broadcasts,
+      so it needs the signal on every rank.
+
+    Either way the ranks are after the same optimizer step: ``trainer.save_checkpoint`` to
+    Lightning's HPC path, then ``preemption.exit()`` (commits every save, exits 143).
+    """
+
+    def __init__(self, preemption: bcp.Preemption):
+        self.preemption = preemption
+        self._checked_step: int | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._checked_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self._checked_step:
+            return  # no optimizer step since the last check (gradient accumulation): not a boundary
+        self._checked_step = trainer.global_step
+        if self.preemption.stop_requested():
+            self._save_and_exit(trainer, "the step boundary the ranks agreed on")
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException) and trainer.state.fn == TrainerFn.FITTING:
+            self._save_and_exit(trainer, "Lightning's SIGTERMException")
+
+    def _save_and_exit(self, trainer, reason: str) -> None:
+        # hpc_save_path numbers after the checkpoints present; rank 0's save could create one under
+        # another rank's listing, so rank 0's answer holds for all
+        path = trainer.strategy.broadcast(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
+        log.warning("bcp: rank %d: preempted at step %d (%s): final checkpoint %s", trainer.global_rank,
+                    trainer.global_step, reason, path)
+        trainer.save_checkpoint(path)
+        self.preemption.exit()
 
 
 _MIXED: dict[type, type] = {}

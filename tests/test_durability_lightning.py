@@ -1,0 +1,161 @@
+"""Durability through Lightning: every save BCPCheckpointIO was asked for (asynchronous, its default)
+is committed before the process ends, and `BCPCheckpointIO(preemption=True)` turns SIGTERM into a
+final checkpoint that `fit(ckpt_path="hpc")` resumes from exactly.
+
+Every test runs tests/jobs/lightning_train.py on 2 ranks under torchrun (DDP on gloo, a
+PackedTokenLoader, dropout) and ends it as real jobs end: the script falling off its end, sys.exit
+or an uncaught exception right after `trainer.save_checkpoint` following `fit`; SIGTERM to torchrun
+while the job starts up and while it trains. Afterwards `bcp verify` passes and each checkpoint
+holds, bit for bit, what the job had when it saved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+pytest.importorskip("lightning")
+
+import torch  # noqa: E402
+
+import bcp_core as bcp  # noqa: E402
+from dist import Job, bcp_verify  # noqa: E402
+from jobs.lightning_train import TokenRegressor  # noqa: E402
+
+STEPS = 16
+JOB = "lightning_train.py"
+
+
+def load_job_state(path: str) -> dict:
+    """The job's checkpoint at `path` loaded into a fresh single-process model and optimizer."""
+    torch.manual_seed(123)  # other values than the job's: a load that does nothing shows
+    module = TokenRegressor()
+    (opt,), _ = module.configure_optimizers()
+    module(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
+    opt.step()  # creates the optimizer state the checkpoint's values go into
+    state = {"model": module, "optimizer_0": opt, "extra_state": {}, "lightning": None}
+    bcp.load(path, state, strict=False)  # the loader's state is Lightning's to restore
+    lightning = json.loads(state["lightning"])
+    return {"model": module.state_dict(), "optimizer": opt.state_dict(), "lightning": lightning,
+            "rng": state["extra_state"]["rng"]["torch"]}
+
+
+def _assert_same_training_state(want: dict, got: dict) -> None:
+    assert want["model"].keys() == got["model"].keys()
+    for k, v in want["model"].items():
+        assert torch.equal(v, got["model"][k]), k
+    assert want["optimizer"]["state"].keys() == got["optimizer"]["state"].keys()
+    for i, s in want["optimizer"]["state"].items():
+        for name, v in s.items():
+            assert torch.equal(v, got["optimizer"]["state"][i][name]), (i, name)
+    assert want["optimizer"]["param_groups"] == got["optimizer"]["param_groups"]
+
+
+def assert_holds_reference(root: str, name: str, step: int) -> dict:
+    """Checkpoint `name` passes `bcp verify` and holds, bit for bit, what the job had at its save."""
+    path = os.path.join(root, name)
+    bcp_verify(path)
+    got = load_job_state(path)
+    ref = torch.load(os.path.join(root, f"reference_{step}.pt"), weights_only=True)
+    assert ref["global_step"] == step and got["lightning"]["global_step"] == step
+    _assert_same_training_state(ref, got)
+    assert got["lightning"]["lr_schedulers"] == [json.loads(json.dumps(ref["scheduler"]))]
+    assert torch.equal(ref["rng"], got["rng"])  # rank 0's RNG state at the save
+    return got
+
+
+def _run(root, *args) -> tuple[int, str]:
+    job = Job(JOB, 2, "--root", str(root), *args)
+    return job.finish(timeout=180), job.output
+
+
+def _assert_saves_inside_fit_committed(root: str) -> None:
+    """ModelCheckpoint's saves (the last one at the last step, in flight when fit's loop ends) and
+    save_checkpoint at the last step inside fit."""
+    assert sorted(os.listdir(os.path.join(root, "mc"))) == sorted(f"step={s}.ckpt" for s in (4, 8, 12, 16))
+    assert_holds_reference(root, os.path.join("mc", f"step={STEPS}.ckpt"), STEPS)
+    assert_holds_reference(root, "in_fit.ckpt", STEPS)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> str:
+    """The job run to the end with no signal, its script falling off the end after its last save."""
+    root = tmp_path_factory.mktemp("finished")
+    rc, out = _run(root, "--steps", str(STEPS))
+    assert rc == 0, out[-4000:]
+    return str(root)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("end", ["script", "sys_exit", "exception"])
+def test_save_right_before_the_end_is_committed(tmp_path, finished, end):
+    """`trainer.save_checkpoint` after fit returns, then the script ends at once."""
+    if end == "script":
+        root = finished
+        _assert_saves_inside_fit_committed(root)
+    else:
+        rc, out = _run(tmp_path, "--steps", str(STEPS), "--end", end)
+        assert rc == (1 if end == "exception" else 0), out[-4000:]
+        if end == "exception":
+            assert "the training script failed after its last save" in out
+        root = str(tmp_path)
+    assert_holds_reference(root, "after_fit.ckpt", STEPS)
+
+
+def _progress(root, rank) -> tuple[int, int]:
+    step, pid = open(os.path.join(root, f"progress_rank{rank}")).read().split()
+    return int(step), int(pid)
+
+
+def _preempted(root: str, *args: str, signal_when, reason: str) -> int:
+    """Run the job with the preemption option, SIGTERM torchrun once `signal_when(step of rank 1)`;
+    the step both ranks stopped at."""
+    job = Job(JOB, 2, "--root", root, "--steps", str(STEPS), "--preemption", "--step-delay", "0.3", *args)
+    job.wait_for(os.path.join(root, "progress_rank1"), lambda text: signal_when(int(text.split()[0])))
+    job.signal(signal.SIGTERM)
+    rc = job.finish()
+    out = job.output
+    reached = [_progress(root, r)[0] for r in (0, 1)]
+    assert reached[0] == reached[1] and 0 < reached[0] < STEPS, (reached, out[-4000:])
+    assert rc != 0  # torchrun, signalled itself, fails whatever its workers' status
+    for rank in (0, 1):
+        assert f"bcp: rank {rank}: preempted at step {reached[0]} ({reason})" in out, out[-4000:]
+    assert out.count("bcp: every save committed; exiting with status 143 after SIGTERM") == 2, out[-4000:]
+    return reached[0]
+
+
+@pytest.mark.timeout(500)
+def test_preemption_checkpoints_at_the_step_reached_and_resumes_exactly(tmp_path, finished):
+    """SIGTERM to torchrun, twice, then a relaunch to the end, each time `fit(ckpt_path="hpc")`:
+
+    1. while the job starts up (before fit installs Lightning's handler: bcp's alone sees it): the
+       ranks stop at the step boundary they agree on, the second one;
+    2. mid-run (Lightning's handler runs first and ends the loop on every rank after the step in
+       progress, with SIGTERMException): the final checkpoint is at that step.
+
+    Each time hpc_ckpt_<n>.ckpt holds exactly the job's state at its save, the workers exit 143,
+    and the run resumed to the end reaches the uninterrupted run's weights, optimizer state and
+    RNG state bit for bit (dropout, mid-epoch data position included)."""
+    root = str(tmp_path)
+    first = _preempted(root, "--start-delay", "2", signal_when=lambda step: step == 0,
+                       reason="the step boundary the ranks agreed on")
+    assert first == 2
+    assert sorted(n for n in os.listdir(root) if n.startswith("hpc_")) == ["hpc_ckpt_1.ckpt"]
+    assert_holds_reference(root, "hpc_ckpt_1.ckpt", first)
+
+    second = _preempted(root, "--resume", signal_when=lambda step: step >= first + 3,
+                        reason="Lightning's SIGTERMException")
+    assert second > first + 2
+    assert sorted(n for n in os.listdir(root) if n.startswith("hpc_")) == ["hpc_ckpt_1.ckpt", "hpc_ckpt_2.ckpt"]
+    assert_holds_reference(root, "hpc_ckpt_2.ckpt", second)
+
+    rc, out = _run(root, "--steps", str(STEPS), "--resume")
+    assert rc == 0, out[-4000:]
+    want = load_job_state(os.path.join(finished, "after_fit.ckpt"))
+    got = load_job_state(os.path.join(root, "after_fit.ckpt"))
+    _assert_same_training_state(want, got)
+    assert want["lightning"]["lr_schedulers"] == got["lightning"]["lr_schedulers"]
+    assert torch.equal(want["rng"], got["rng"])
