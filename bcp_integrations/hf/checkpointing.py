@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 from typing import Any
@@ -16,6 +17,8 @@ import bcp_core as bcp
 from bcp_core import metrics
 from bcp_core.dataloader import checkpointable
 from bcp_core.rng import rng_state, set_rng_state
+
+log = logging.getLogger("bcp")
 
 TRAINER_STATE_NAME = "trainer_state.json"  # HF reads this file itself in train() before any hook
 _CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
@@ -38,11 +41,21 @@ class BCPCallback(TrainerCallback):
             step (the optimizer's state exists then) the callback calls ``bcp.prepare_save``, so
             the first checkpoint stalls training no longer than later ones.
         num_threads: I/O threads per rank.
+        preemption: on SIGTERM, take a last ``checkpoint-<step>`` at the end of a step every rank
+            agrees on, commit it and every save in flight, and exit with status 143 (see
+            `bcp.handle_preemption`); ``BCPTrainer.train(resume_from_checkpoint=True)`` resumes
+            from it. Installs the handler now, so construct the callback on every rank from the
+            main thread, before ``train``.
+
+    A save still in flight when the script ends (``sys.exit``, an exception) is committed before the
+    process exits, or the process exits 1 naming it; ``train()`` itself returns once the last one
+    is committed.
     """
 
-    def __init__(self, async_save: bool = True, num_threads: int = 4):
+    def __init__(self, async_save: bool = True, num_threads: int = 4, preemption: bool = False):
         self.async_save = async_save
         self.num_threads = num_threads
+        self.preemption: bcp.Preemption | None = bcp.handle_preemption() if preemption else None
         self.trainer: Trainer | None = None  # set by BCPTrainerMixin
         self._pending: bcp.SaveHandle | None = None
         self._pending_rotation: tuple[str, int | None, str | None] | None = None
@@ -70,7 +83,22 @@ class BCPCallback(TrainerCallback):
         if self.async_save and not self._prepared:
             self._prepared = True
             bcp.prepare_save(self._state_to_save(state, *self._objects(kwargs)))
+        if self.preemption is not None and self.preemption.stop_requested():
+            self._save_and_exit(args, state, control, kwargs)
         self._take_over_save(args, state, control, kwargs)
+
+    def _save_and_exit(self, args, state, control, kwargs) -> None:
+        """The final checkpoint of a preempted run, saved here rather than by the Trainer after the
+        callbacks: its evaluation and "best" decision there could skip the save."""
+        log.warning("bcp: rank %d: preempted at step %d: final checkpoint %s", args.process_index, state.global_step,
+                    os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
+        if self.trainer is not None:
+            self.trainer._save_checkpoint(self.trainer.model_wrapped, None)  # the mixin's, as the Trainer's saves
+        else:
+            control.should_save = True
+            self._take_over_save(args, state, control, kwargs)
+        # save_total_limit is applied once the resumed run's next checkpoint has committed
+        self.preemption.exit()
 
     def on_epoch_end(self, args, state, control, **kwargs):
         self._take_over_save(args, state, control, kwargs)

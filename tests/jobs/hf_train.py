@@ -1,0 +1,109 @@
+"""A 2-rank HF Transformers training job (Trainer with DDP on gloo) saving through bcp, ended the
+ways real jobs end.
+
+    torchrun --nproc_per_node 2 tests/jobs/hf_train.py --root DIR [--steps N] [--save-steps K]
+        [--trainer bcp|callback] [--end HOW] [--preemption] [--resume] [--step-delay S]
+
+A tiny Llama (built from a config, attention dropout so the RNG states matter) trains on 32 fixed
+sequences, 2 per rank per step (an epoch is 8 steps). --trainer: "bcp" is
+`BCPTrainer(callbacks=[BCPCallback(...)])`, "callback" a plain `Trainer` with `BCPCallback(...)`;
+either way the Trainer saves DIR/checkpoint-<step> every --save-steps steps and at the last one
+(through bcp, asynchronously), then `train()` returns and the script ends, --end: "script" (falls
+off the end), "sys_exit" (sys.exit(0)), "exception" (an uncaught exception). With --preemption,
+`BCPCallback(preemption=True)`: SIGTERM leads to checkpoint-<step> at the step every rank stops at,
+and exit 143; --resume continues with `BCPTrainer.train(resume_from_checkpoint=True)`.
+Each optimizer step writes DIR/progress_rank<r> ("<step> <pid>") and then waits --step-delay; at
+each step's end rank 0 writes DIR/reference_<step>.pt, the values a checkpoint of that step
+holds (the optimizer's state by parameter name, as bcp saves it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from bcp_integrations.hf import BCPCallback, BCPTrainer  # noqa: E402
+
+MODEL = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=2, max_position_embeddings=32, attention_dropout=0.1)
+SAMPLES, SEQ = 32, 8
+
+
+def build_model(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**MODEL, attn_implementation="eager"))
+
+
+class TokenData(torch.utils.data.Dataset):
+    def __init__(self):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, MODEL["vocab_size"], (SAMPLES, SEQ), generator=g)
+
+    def __len__(self):
+        return SAMPLES
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class Job(TrainerCallback):
+    """Progress files and pauses for the test; reference values at every step's end."""
+
+    def __init__(self, args):
+        self.args = args
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        with open(os.path.join(self.args.root, f"progress_rank{args.process_index}"), "w") as f:
+            f.write(f"{state.global_step + 1} {os.getpid()}")
+        time.sleep(self.args.step_delay)
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+        if state.is_world_process_zero:
+            # the optimizer's state by parameter name, as bcp saves it
+            names = {id(p): n for n, p in model.named_parameters()}
+            order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+            sd = optimizer.state_dict()
+            torch.save({"model": model.state_dict(),
+                        "optimizer": {order[i]: s for i, s in sd["state"].items()},
+                        "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in sd["param_groups"]],
+                        "scheduler": lr_scheduler.state_dict(), "rng": torch.get_rng_state()},
+                       os.path.join(self.args.root, f"reference_{state.global_step}.pt"))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--root", required=True)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--save-steps", type=int, default=4)
+    p.add_argument("--trainer", default="bcp", choices=["bcp", "callback"])
+    p.add_argument("--end", default="script", choices=["script", "sys_exit", "exception"])
+    p.add_argument("--preemption", action="store_true")
+    p.add_argument("--resume", action="store_true", help="train(resume_from_checkpoint=True) (BCPTrainer)")
+    p.add_argument("--step-delay", type=float, default=0.0)
+    args = p.parse_args()
+    if args.resume and args.trainer != "bcp":
+        p.error("--resume needs --trainer bcp: a plain Trainer cannot read bcp checkpoints")
+
+    targs = TrainingArguments(output_dir=args.root, use_cpu=True, per_device_train_batch_size=2,
+                              max_steps=args.steps, save_strategy="steps", save_steps=args.save_steps,
+                              learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=2, report_to="none",
+                              disable_tqdm=True, seed=0, dataloader_num_workers=0)
+    callbacks = [Job(args), BCPCallback(preemption=args.preemption)]
+    trainer_cls = BCPTrainer if args.trainer == "bcp" else Trainer
+    trainer = trainer_cls(model=build_model(), args=targs, train_dataset=TokenData(), callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=True if args.resume else None)
+    if args.end == "sys_exit":
+        sys.exit(0)
+    if args.end == "exception":
+        raise RuntimeError("the training script failed after its last save")
+
+
+if __name__ == "__main__":
+    main()
