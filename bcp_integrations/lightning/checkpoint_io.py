@@ -6,6 +6,8 @@ import json
 import logging
 import os
 import re
+import signal
+import threading
 from abc import ABC
 from collections.abc import Mapping
 from typing import Any
@@ -17,6 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import (DDPStrategy, FSDPStrategy, ModelParallelStrategy,
                                           SingleDeviceStrategy, Strategy)
+from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -60,8 +63,8 @@ class BCPCheckpointIO(CheckpointIO):
         self.allow_pickle = allow_pickle
         self.save_rng = save_rng
         self.num_threads = num_threads
-        # Installed before fit: Lightning's signal connector, set up when fit starts, keeps the
-        # SIGTERM handler it finds and calls it after its own.
+        # Installed before fit: the SIGTERM handler Lightning composes when fit starts calls the one
+        # it finds (the mixin takes Lightning's own notifier out of it).
         self.preemption: bcp.Preemption | None = bcp.handle_preemption() if preemption else None
         self._pending: bcp.SaveHandle | None = None
         self._pending_path: str | None = None
@@ -222,9 +225,10 @@ class BCPStrategyMixin(ABC):  # noqa: B024 - ABC for the object layout, not for 
 
     def setup(self, trainer) -> None:
         super().setup(trainer)
-        if self.bcp_io.preemption is not None and not any(isinstance(c, PreemptionCheckpoint)
-                                                          for c in trainer.callbacks):
-            trainer.callbacks.append(PreemptionCheckpoint(self.bcp_io.preemption))
+        if self.bcp_io.preemption is not None:
+            _drop_lightning_sigterm_notifier(trainer._signal_connector)
+            if not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
+                trainer.callbacks.append(PreemptionCheckpoint(self.bcp_io.preemption))
 
     def teardown(self) -> None:
         # FSDPStrategy and ModelParallelStrategy do not call checkpoint_io.teardown themselves.
@@ -237,19 +241,13 @@ class PreemptionCheckpoint(Callback):
     """Added by the mixin for ``BCPCheckpointIO(preemption=True)``: the step-boundary check and the
     final checkpoint.
 
-    Two ways lead to the final checkpoint, whichever comes first:
-
-    - bcp's: after each optimizer step every rank asks ``preemption.stop_requested()``; the ranks
-      stop at the boundary after the first one that saw SIGTERM.
-    - Lightning's: its own SIGTERM handler (called before bcp's) makes the loop raise
-      ``SIGTERMException`` after the step in progress, on each rank that received the signal and,
-      through a broadcast of rank 0's flag at the start of the next step, on all of them; every
-      callback's ``on_exception`` sees it. With the signal sent to every rank (torchrun, SLURM)
-      this usually comes first, one boundary before bcp's. Lightning's handler itself broadcasts,
-      so it needs the signal on every rank.
-
-    Either way the ranks are after the same optimizer step: ``trainer.save_checkpoint`` to
-    Lightning's HPC path, then ``preemption.exit()`` (commits every save, exits 143).
+    After each optimizer step every rank asks ``preemption.stop_requested()``; the ranks stop at
+    the boundary after the first one that saw SIGTERM, save ``trainer.save_checkpoint`` to
+    Lightning's HPC path, then ``preemption.exit()`` (commits every save, exits 143). Lightning's
+    own SIGTERM notifier is left out of the handler (`_drop_lightning_sigterm_notifier`); should it
+    still run (a signal between its installation and the mixin's change, a Lightning version that
+    installs it otherwise), the loop raises ``SIGTERMException`` after the step in progress and
+    the final checkpoint is taken in ``on_exception`` instead.
     """
 
     def __init__(self, preemption: bcp.Preemption):
@@ -278,6 +276,32 @@ class PreemptionCheckpoint(Callback):
                     trainer.global_step, reason, path)
         trainer.save_checkpoint(path)
         self.preemption.exit()
+
+
+def _drop_lightning_sigterm_notifier(connector) -> None:
+    """Make the SIGTERM handler that Lightning installs at the start of each fit call every
+    handler it composes (bcp's, those installed before) except its own notifier.
+
+    The notifier runs ``dist.broadcast`` inside the signal handler, at whatever point the main
+    thread is; a rank blocked in a collective at that moment (the barrier of ``save_checkpoint``,
+    a step's all-reduce) runs it later, so the ranks' collectives no longer pair and the job hangs
+    until killed (2 CPU ranks, 3 ms steps: 4 of 12 SIGTERMs to torchrun; 3 of 12 with Lightning
+    alone). It also ends the loop on each rank by that rank's own flag. bcp's handler only records
+    the signal; the ranks agree through the store on a step boundary, whichever ranks got it.
+    """
+    if getattr(connector.register_signal_handlers, "_bcp_wrapped", False):
+        return
+    register = connector.register_signal_handlers
+
+    def register_without_notifier() -> None:
+        register()
+        handler = signal.getsignal(signal.SIGTERM)
+        if isinstance(handler, _HandlersCompose) and threading.current_thread() is threading.main_thread():
+            kept = [h for h in handler.signal_handlers if h != connector._sigterm_notifier_fn]
+            signal.signal(signal.SIGTERM, _HandlersCompose(kept))  # Lightning's teardown restores bcp's
+
+    register_without_notifier._bcp_wrapped = True
+    connector.register_signal_handlers = register_without_notifier
 
 
 _MIXED: dict[type, type] = {}
