@@ -113,7 +113,7 @@ def test_lightning_save_resume_across_world_sizes_and_strategies(tmp_path):
     _run(2, "--strategy", "fsdp", "--out", str(tmp_path / "f1"), "--resume", step2, "--max-steps", "4",
          "--ckpt-dir", str(tmp_path / "f1_ckpt"))
     assert _losses(tmp_path / "f1") == {3: uninterrupted[3], 4: uninterrupted[4]}
-    assert bcp.inspect(tmp_path / "f1_ckpt" / "step=4.ckpt").framework == "fsdp"
+    assert bcp.inspect(tmp_path / "f1_ckpt" / "step=4.ckpt").framework == "fsdp1"
     ddp4, fsdp4 = _tensors(os.path.join(ckpt, "step=4.ckpt")), _tensors(tmp_path / "f1_ckpt" / "step=4.ckpt")
     assert ddp4.keys() == fsdp4.keys() and len(ddp4) == 6 * 4  # 6 parameters, 3 Adam tensors each
     for k in ddp4:
