@@ -15,8 +15,8 @@ from . import rng
 from .api import inspect, load, mutating, prepare_save, resolve, save
 from .checkpointer import SaveHandle
 from .errors import (BCPError, ChecksumError, FormatVersionError, IncompleteCheckpointError, KeyMismatchError,
-                     MetadataError, NotACheckpointError, PickleNotAllowedError, PlanError, SaveError,
-                     ShapeMismatchError, StorageError, UnsafePathError, UnsupportedValueError)
+                     MetadataError, MissingExtraError, NotACheckpointError, PickleNotAllowedError, PlanError,
+                     SaveError, ShapeMismatchError, StorageError, UnsafePathError, UnsupportedValueError)
 from .loader import LoadResult
 from .metadata import FORMAT_VERSION, CheckpointMetadata, Piece, TensorMeta
 from .preemption import Preemption, handle_preemption
@@ -29,6 +29,6 @@ __all__ = [
     "SaveHandle", "LoadResult", "CheckpointMetadata", "TensorMeta", "Piece", "FORMAT_VERSION",
     "Storage", "LocalStorage", "register_storage", "storage_for",
     "BCPError", "ChecksumError", "FormatVersionError", "IncompleteCheckpointError", "KeyMismatchError",
-    "MetadataError", "NotACheckpointError", "PickleNotAllowedError", "PlanError", "SaveError",
+    "MetadataError", "MissingExtraError", "NotACheckpointError", "PickleNotAllowedError", "PlanError", "SaveError",
     "ShapeMismatchError", "StorageError", "UnsafePathError", "UnsupportedValueError",
 ]

@@ -80,3 +80,14 @@ class ReadWorkerError(BCPError):
 
 class ToolError(BCPError):
     """A tool was asked for something it cannot do (bad arguments, conflicting keys...)."""
+
+
+class MissingExtraError(BCPError, ImportError):
+    """An optional dependency is not installed; the message is one line naming the extra to install
+    (``pip install "bcp-checkpoint[<extra>]"``). Also an ImportError, so ``except ImportError`` works."""
+
+    def __init__(self, message: str = "", *, module: str = "", extra: str = "", feature: str = ""):
+        ImportError.__init__(self, message, name=module)
+        self.module = module
+        self.extra = extra
+        self.feature = feature

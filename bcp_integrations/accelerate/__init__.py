@@ -6,6 +6,11 @@ processes) via Accelerate's ``register_save_state_pre_hook`` / ``register_load_s
 See docs/integrations.md for what is saved and how Accelerate's own writer is kept out.
 """
 
-from .checkpointing import BCPAccelerateCheckpointer, register
+from bcp_core.extras import require_extra
+
+# Before the imports below: a missing framework is one line naming the extra, not a traceback.
+require_extra("accelerate", "the Accelerate integration (bcp_integrations.accelerate)")
+
+from .checkpointing import BCPAccelerateCheckpointer, register  # noqa: E402
 
 __all__ = ["BCPAccelerateCheckpointer", "register"]

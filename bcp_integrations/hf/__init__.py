@@ -8,6 +8,11 @@ and decides "best" saves in private methods that no callback event reaches. ``ex
 turns a bcp checkpoint into a normal Hugging Face directory. See docs/integrations.md.
 """
 
-from .checkpointing import BCPCallback, BCPTrainer, BCPTrainerMixin, export_pretrained, last_checkpoint
+from bcp_core.extras import require_extra
+
+# Before the imports below: a missing framework is one line naming the extra, not a traceback.
+require_extra("hf", "the HF Transformers integration (bcp_integrations.hf)")
+
+from .checkpointing import BCPCallback, BCPTrainer, BCPTrainerMixin, export_pretrained, last_checkpoint  # noqa: E402
 
 __all__ = ["BCPCallback", "BCPTrainer", "BCPTrainerMixin", "export_pretrained", "last_checkpoint"]

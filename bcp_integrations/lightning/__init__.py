@@ -13,6 +13,11 @@ front. The mixin then saves, loads and removes checkpoints through bcp on all ra
 ``bcp_strategy(strategy)`` does the same switch on a strategy object. See docs/integrations.md.
 """
 
-from .checkpoint_io import BCPCheckpointIO, BCPStrategyMixin, bcp_strategy
+from bcp_core.extras import require_extra
+
+# Before the imports below: a missing framework is one line naming the extra, not a traceback.
+require_extra("lightning", "the Lightning integration (bcp_integrations.lightning)")
+
+from .checkpoint_io import BCPCheckpointIO, BCPStrategyMixin, bcp_strategy  # noqa: E402
 
 __all__ = ["BCPCheckpointIO", "BCPStrategyMixin", "bcp_strategy"]

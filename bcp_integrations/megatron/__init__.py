@@ -5,12 +5,18 @@ Importing this package registers the `("bcp", 1)` dist_checkpointing backend, so
 `dist_checkpointing.save(..., sharded_strategy=("bcp", 1))` writes them.
 """
 
-from .adapter import (build_factories, flat_range_sharded_tensors, load, load_state, merge_factories,
+from bcp_core.extras import require_extra
+
+# Before the imports below: a missing framework is one line naming the extra, not a traceback.
+require_extra("megatron", "the Megatron-core integration (bcp_integrations.megatron)")
+
+from .adapter import (build_factories, flat_range_sharded_tensors, load, load_state, merge_factories,  # noqa: E402
                       save, save_state)
-from .optimizer import fully_reshardable_param_state
-from .megatron_lm import add_ckpt_format_choice, bcp_selected, enable_megatron_lm
-from .preemption import exit_after_preemption
-from .strategy import BACKEND, VERSION, BcpLoadShardedStrategy, BcpSaveShardedStrategy, register_strategies
+from .optimizer import fully_reshardable_param_state  # noqa: E402
+from .megatron_lm import add_ckpt_format_choice, bcp_selected, enable_megatron_lm  # noqa: E402
+from .preemption import exit_after_preemption  # noqa: E402
+from .strategy import (BACKEND, VERSION, BcpLoadShardedStrategy, BcpSaveShardedStrategy,  # noqa: E402
+                       register_strategies)
 
 register_strategies()
 
