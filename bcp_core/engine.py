@@ -24,7 +24,7 @@ from .load_planner import ReadItem
 from .metadata import CheckpointMetadata, num_blocks
 from .storage import Storage
 
-_SAFETENSORS_DTYPES = {
+SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL",
@@ -32,7 +32,7 @@ _SAFETENSORS_DTYPES = {
 for _name, _code in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
                      ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
     if hasattr(torch, _name):
-        _SAFETENSORS_DTYPES[getattr(torch, _name)] = _code
+        SAFETENSORS_DTYPES[getattr(torch, _name)] = _code
 
 
 @dataclass
@@ -78,7 +78,7 @@ def _header(items: list[WriteItem]) -> bytes:
     pos = 0
     for it in items:
         n = it.tensor.numel() * it.tensor.element_size()
-        code = _SAFETENSORS_DTYPES.get(it.tensor.dtype)
+        code = SAFETENSORS_DTYPES.get(it.tensor.dtype)
         shape = list(it.tensor.shape) if code else [n]
         header[it.name] = {"dtype": code or "U8", "shape": shape, "data_offsets": [pos, pos + n]}
         pos += n

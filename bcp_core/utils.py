@@ -1,4 +1,4 @@
-"""Small helpers every layer shares: pausing the garbage collector, content digests, this rank."""
+"""Small helpers every layer shares: pausing the garbage collector, content digests, this rank, sizes."""
 
 from __future__ import annotations
 
@@ -38,3 +38,12 @@ def this_rank(group=None) -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(group)
     return 0
+
+
+def human_bytes(n: float) -> str:
+    """`1536` -> `1.50 KiB`: sizes in messages, tool output and reports."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"

@@ -77,14 +77,14 @@ def main() -> None:
           f"in {time.monotonic() - t:.1f}s")
 
     py = sys.executable
-    base, _ = _peak_rss([py, "-c", "import bcp_core.cli, bcp_core.tools"])
+    base, _ = _peak_rss([py, "-c", "import bcp_core.tools.cli"])
     print(f"peak RSS of a process that imports bcp:          {base:8.0f} MiB")
     runs = {
-        "bcp export --to hf": [py, "-m", "bcp_core.cli", "-q", "export", ckpt, os.path.join(args.dir, "hf"),
+        "bcp export --to hf": [py, "-m", "bcp_core", "-q", "export", ckpt, os.path.join(args.dir, "hf"),
                                "--to", "hf"],
-        "bcp export --to hf --dtype bf16": [py, "-m", "bcp_core.cli", "-q", "export", ckpt,
+        "bcp export --to hf --dtype bf16": [py, "-m", "bcp_core", "-q", "export", ckpt,
                                             os.path.join(args.dir, "hf16"), "--to", "hf", "--dtype", "bf16"],
-        "bcp export --to torch": [py, "-m", "bcp_core.cli", "-q", "export", ckpt,
+        "bcp export --to torch": [py, "-m", "bcp_core", "-q", "export", ckpt,
                                   os.path.join(args.dir, "model.pt"), "--to", "torch"],
     }
     for name, cmd in runs.items():

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import bcp_core as bcp
-from bcp_core import cli
+from bcp_core.tools import cli
 from dist import run_ranks
 
 LLAMA = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
@@ -291,7 +291,7 @@ def test_ls_latest_prune(tmp_path, capsys):
 
 def test_console_script_help():
     exe = os.path.join(os.path.dirname(sys.executable), "bcp")
-    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "bcp_core.cli"]
+    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "bcp_core"]
     out = subprocess.run(cmd + ["--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "examples:" in out.stdout and "export" in out.stdout
     out = subprocess.run(cmd + ["export", "--help"], capture_output=True, text=True, timeout=120)

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from bcp_core import cli, report
+from bcp_core.tools import cli, report
 from dist import run_ranks
 
 SLOW_RANK, DELAY_S = 2, 0.5
@@ -20,12 +20,12 @@ def _save_with_straggler(rank, world_size, root):
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
     if rank == SLOW_RANK:  # this rank's storage is slow: each data write takes DELAY_S longer
-        real = storage._LocalWriter.write
+        real = storage.local._LocalWriter.write
 
         def slow_write(self, data):
             time.sleep(DELAY_S)
             real(self, data)
-        storage._LocalWriter.write = slow_write
+        storage.local._LocalWriter.write = slow_write
     mesh = init_device_mesh("cpu", (world_size,))
     full = torch.randn(world_size * 256, 256)
     state = {"model": {"w": distribute_tensor(full, mesh, [Shard(0)]), "b": torch.zeros(256)},

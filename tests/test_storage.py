@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import bcp_core as bcp
-from bcp_core import cli
+from bcp_core.tools import cli
 from bcp_core import storage as bst
 from dist import run_ranks
 
@@ -277,7 +277,7 @@ def test_s3_permanent_error_keeps_previous_checkpoint(s3, small_io):
 # ----------------------------------------------------------------------------- S3 details
 
 def test_s3_compose_upload_and_ranged_reads(s3, small_io, monkeypatch):
-    monkeypatch.setattr(bst, "COMPOSE_FAN_IN", 4)  # 6 parts: composed in a tree of two levels
+    monkeypatch.setattr(bst.fsspec, "COMPOSE_FAN_IN", 4)  # 6 parts: composed in a tree of two levels
     url = f"s3://{BUCKET}/compose-{uuid.uuid4().hex[:8]}"
     st = bst.FsspecStorage(url, upload="compose")
     data = os.urandom(5 * PART + 123)
@@ -452,7 +452,7 @@ def test_register_backend_in_one_class(small_io):
         assert bst.retry_stats()["retries"] >= 3
         bst.storage_for(root).remove("")
     finally:
-        bst._REGISTRY.pop("flaky", None)
+        bst.base._REGISTRY.pop("flaky", None)
 
 
 def test_configure_storage_rejects_unknown_and_bad_values():

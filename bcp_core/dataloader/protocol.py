@@ -20,6 +20,7 @@ from typing import Any
 from ..engine import ShardReader
 from ..errors import LoaderStateError
 from ..shards import ObjectShard
+from ..utils import this_rank
 
 log = logging.getLogger("bcp")
 
@@ -310,7 +311,7 @@ def _dp_position(dp_rank: int | None, dp_size: int | None) -> tuple[int, int]:
     import torch.distributed as dist
     on = dist.is_available() and dist.is_initialized()
     if dp_rank is None:
-        dp_rank = dist.get_rank() if on else 0
+        dp_rank = this_rank()
     if dp_size is None:
         dp_size = dist.get_world_size() if on else 1
     return dp_rank, dp_size

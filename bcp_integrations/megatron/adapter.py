@@ -38,6 +38,7 @@ import bcp_core as bcp
 from bcp_core.adapters import ModuleAdapter, register_adapter
 from bcp_core.errors import BCPError, ShapeMismatchError
 from bcp_core.shards import Box, ObjectShard, ShardedView, range_boxes
+from bcp_core.utils import this_rank
 
 # io.BytesIO (Transformer Engine's `_extra_state`) has no place in bcp's safe codec; it travels as
 # bytes inside this one-key dict and is turned back into a BytesIO on load.
@@ -69,10 +70,6 @@ def map_leaves(tree: Any, fn):
     return walk(tree, ())
 
 
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
 def _where(path: Path) -> str:
     return "/".join(map(str, path)) or "<root>"
 
@@ -82,15 +79,15 @@ def box_of(sh: ShardedTensor, data: torch.Tensor) -> Box:
     p = sh.prepend_axis_num
     lengths = (1,) * p + tuple(sh.local_shape)
     if tuple(data.shape) != tuple(sh.local_shape):
-        raise ShapeMismatchError(f"ShardedTensor {sh.key!r} on rank {_rank()}: data has shape "
+        raise ShapeMismatchError(f"ShardedTensor {sh.key!r} on rank {this_rank()}: data has shape "
                                  f"{tuple(data.shape)}, local_shape is {tuple(sh.local_shape)}")
     if len(lengths) != len(sh.global_shape) or len(sh.global_offset) != len(sh.global_shape):
-        raise ShapeMismatchError(f"ShardedTensor {sh.key!r} on rank {_rank()}: global shape "
+        raise ShapeMismatchError(f"ShardedTensor {sh.key!r} on rank {this_rank()}: global shape "
                                  f"{tuple(sh.global_shape)}, offset {tuple(sh.global_offset)}, local shape "
                                  f"{tuple(sh.local_shape)} with {p} prepended axes do not agree")
     for d, (o, n, g) in enumerate(zip(sh.global_offset, lengths, sh.global_shape)):
         if o < 0 or o + n > g:
-            raise ShapeMismatchError(f"ShardedTensor {sh.key!r} on rank {_rank()}: axis {d} covers "
+            raise ShapeMismatchError(f"ShardedTensor {sh.key!r} on rank {this_rank()}: axis {d} covers "
                                      f"[{o}, {o + n}) outside the global size {g}")
     view = data
     for _ in range(p):  # a view, never a copy: loading writes through it into `data`
@@ -152,10 +149,10 @@ def save_state(sharded_state_dict: dict) -> dict:
         if isinstance(v, ShardedTensor):
             _check_flat(v)
             if v.data is None:
-                raise BCPError(f"ShardedTensor {v.key!r} at {_where(path)} on rank {_rank()} has no data")
+                raise BCPError(f"ShardedTensor {v.key!r} at {_where(path)} on rank {this_rank()} has no data")
             _claim(shape_of, v.key, (tuple(v.global_shape), v.dtype), path)
             if v.data.dtype != v.dtype:
-                raise ShapeMismatchError(f"ShardedTensor {v.key!r} on rank {_rank()}: data dtype "
+                raise ShapeMismatchError(f"ShardedTensor {v.key!r} on rank {this_rank()}: data dtype "
                                          f"{v.data.dtype} differs from its dtype {v.dtype}")
             boxes.setdefault(v.key, []).append(box_of(v, v.data.detach()))
         elif isinstance(v, ShardedObject):
@@ -180,7 +177,7 @@ def _claim(seen: dict, key: str, what: tuple, path: Path) -> None:
     """Every leaf of one key on this rank must describe the same global thing."""
     prev = seen.setdefault(key, what)
     if prev != what:
-        raise BCPError(f"key {key!r} is used on rank {_rank()} for different things: {prev} and {what} "
+        raise BCPError(f"key {key!r} is used on rank {this_rank()} for different things: {prev} and {what} "
                        f"(second at {_where(path)})")
 
 

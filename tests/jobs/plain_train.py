@@ -71,7 +71,7 @@ def main() -> None:
 
         def no_space(*a, **k):
             raise OSError(errno.ENOSPC, "No space left on device")
-        storage._LocalWriter.write = no_space
+        storage.local._LocalWriter.write = no_space
     timeout = timedelta(seconds=10)
 
     for step in range(start, args.steps):

@@ -39,9 +39,9 @@ def _save_then_die(rank, world_size, root, point, async_save, victim):
         if point == "stage":
             staging.StagingPool.acquire = die
         elif point == "write":
-            storage._LocalWriter.write = die
+            storage.local._LocalWriter.write = die
         elif point == "fsync":
-            storage._LocalWriter.close = die
+            storage.local._LocalWriter.close = die
         else:
             real = storage.LocalStorage.write_atomic
             target = "bcp_metadata.json" if point == "tracker" else "bcp_metadata.json.never"

@@ -4,7 +4,7 @@ Reads the JSON lines of `bcp_core.metrics` (`bcp_metrics.jsonl` in a checkpoint,
 sink wrote) and draws, like the paper's Figs. 12-13, a heat map of ranks x phases (busy seconds)
 and the timeline of one rank (the slowest unless asked), into a PNG and a self-contained HTML
 page. The text summary names the slowest rank and the phase that makes it slow, so a straggler
-stands out without opening the picture. Drawing needs matplotlib (`pip install 'bcp[report]'`);
+stands out without opening the picture. Drawing needs matplotlib (the `report` extra);
 the summary does not.
 """
 
@@ -17,8 +17,11 @@ import os
 import statistics
 from dataclasses import dataclass
 
-from .errors import BCPError
-from .metrics import LOAD_PHASES, METRICS_FILE, SAVE_PHASES, load_jsonl
+from ..errors import BCPError
+from ..extras import require
+from ..layout import resolve
+from ..utils import human_bytes
+from ..metrics import LOAD_PHASES, METRICS_FILE, SAVE_PHASES, load_jsonl
 
 # Phases where a rank waits for the others rather than works: they do not make a rank slow.
 WAITING = {"wait", "commit", "transfer"}
@@ -45,7 +48,6 @@ def read_records(path: str | os.PathLike) -> tuple[str, list[dict]]:
     if os.path.isfile(path):
         with open(path) as f:
             return path, load_jsonl(f.read())
-    from .api import resolve
     st = resolve(path)
     if not st.exists(METRICS_FILE):
         raise BCPError(f"{st.root} has no {METRICS_FILE}: it was saved by a bcp without metrics, or the file "
@@ -86,7 +88,7 @@ def summary(rep: Report) -> str:
         slow = rep.ranks[vals.index(mx)]
         ratio = f"{mx / med:.1f}x" if med > 0 else "-"
         total = sum(rep.nbytes.get((r, p), 0) for r in rep.ranks)
-        lines.append(f"  {p:<10} {med:>9.4f} {mx:>9.4f} {slow:>8} {ratio:>10} {_human(total):>12}")
+        lines.append(f"  {p:<10} {med:>9.4f} {mx:>9.4f} {slow:>8} {ratio:>10} {human_bytes(total):>12}")
         if p not in WAITING and mx - med > worst_excess:
             worst_phase, worst_excess = p, mx - med
     times = {r: rep.rank_time(r) for r in rep.ranks}
@@ -104,23 +106,11 @@ def summary(rep: Report) -> str:
     return "\n".join(lines)
 
 
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def figure(rep: Report, rank: int | None = None):
     """A matplotlib figure: heat map of ranks x phases (left), timeline of `rank` (right)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise BCPError("drawing the report needs matplotlib: pip install 'bcp[report]' "
-                       "(the text summary works without it: bcp report PATH --text)") from None
+    matplotlib = require("matplotlib", "report", "drawing the report (bcp report --text does without)")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     if rank is None:
         rank = max(rep.ranks, key=rep.rank_time)
     if rank not in rep.ranks:
@@ -170,7 +160,7 @@ def figure(rep: Report, rank: int | None = None):
         nb = rep.nbytes.get((rank, p), 0)
         if bars:
             ax_time.text(max(s + w for s, w in bars), i, f" {rep.busy.get((rank, p), 0.0) * 1e3:.1f} ms"
-                         + (f", {_human(nb)}" if nb else ""), va="center", fontsize=7)
+                         + (f", {human_bytes(nb)}" if nb else ""), va="center", fontsize=7)
     ax_time.set_yticks(range(len(rep.phases)), rep.phases)
     ax_time.invert_yaxis()
     ax_time.set_xlabel("seconds since the first rank started")

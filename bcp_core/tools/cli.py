@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
-from . import tools
-from .errors import BCPError
+from ..errors import BCPError, MissingExtraError, ToolError
+from ..utils import human_bytes
+from . import convert, inspect, manage, rename, verify
 
 _EPILOG = """\
 examples:
@@ -26,8 +28,12 @@ A PATH may be a local directory or any URL fsspec understands (s3://, gs://, hdf
 ...), or memory://NAME for checkpoints kept in RAM on this machine. A checkpoint root
 (a directory of step_* checkpoints) stands for its latest complete checkpoint.
 S3 endpoints and credentials come from the usual AWS variables or FSSPEC_S3_* (see
-docs/storage.md). Exit status: 0 success, 1 a fault was found (verify) or the
-operation failed, 2 bad usage.
+docs/storage.md). Results go to stdout (--json: one JSON document), progress bars and
+errors to stderr. Exit status: 0 success, 1 a fault was found (verify) or the operation
+failed, 2 bad usage or a missing optional dependency.
+
+`python -m bcp_core` is the same command (useful where Microsoft SQL Server's own `bcp`
+tool comes first on PATH).
 """
 
 
@@ -132,12 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Read a checkpoint's bcp_metrics.jsonl (or a metrics JSON-lines file) and "
                                    "write OUT.png and OUT.html: a heat map of ranks x phases and the timeline "
                                    "of one rank (the slowest by default); print a summary naming the slowest "
-                                   "rank and phase. Drawing needs matplotlib (pip install 'bcp[report]').")
+                                   "rank and phase. Drawing needs matplotlib (the report extra).")
     p.add_argument("path", metavar="PATH", help="checkpoint, root, or .jsonl file")
     p.add_argument("--out", default="bcp_report", metavar="OUT", help="output prefix (default bcp_report)")
     p.add_argument("--rank", type=int, help="rank whose timeline to draw (default: the slowest)")
     p.add_argument("--op", choices=["save", "load"], help="which records (default: save if present)")
     p.add_argument("--text", action="store_true", help="only print the summary (no matplotlib needed)")
+    for p in sub.choices.values():  # every command can answer in JSON for scripts
+        if "json" not in {a.dest for a in p._actions}:
+            p.add_argument("--json", action="store_true", help="machine-readable output (one JSON document)")
     return parser
 
 
@@ -146,78 +155,98 @@ def _print_json(obj) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    progress = not args.quiet
+    progress = not args.quiet and not args.json
+    out = _print_json if args.json else None
     if args.command == "inspect":
-        rep = tools.inspect_checkpoint(args.path)
-        _print_json(rep) if args.json else print(tools.format_inspect(rep, args.pieces))
+        rep = inspect.inspect_checkpoint(args.path)
+        _print_json(rep) if out else print(inspect.format_inspect(rep, args.pieces))
         return 0
     if args.command == "verify":
-        rep = tools.verify_checkpoint(args.path, args.threads, progress=progress and not args.json)
-        if args.json:
-            _print_json(rep)
+        rep = verify.verify_checkpoint(args.path, args.threads, progress=progress)
+        if out:
+            out(rep)
         else:
             for f in rep["faults"]:
                 print(f"{'WARNING' if f['kind'] == 'stray-file' else 'FAULT'} [{f['kind']}] {f['where']}: "
                       f"{f['detail']}")
             status = "OK" if rep["ok"] else "FAILED"
             print(f"{status}: {rep['path']}: {rep.get('pieces', 0)} pieces in {rep.get('files', 0)} files, "
-                  f"{tools.human_bytes(rep['checked_bytes'])} checked, "
+                  f"{human_bytes(rep['checked_bytes'])} checked, "
                   f"{sum(f['kind'] != 'stray-file' for f in rep['faults'])} fault(s)")
         return 0 if rep["ok"] else 1
     if args.command == "export":
-        rep = tools.export_checkpoint(args.path, args.out, args.to, args.model_only or None, args.dtype,
-                                      args.rename, args.shard_size, args.config, args.allow_pickle, args.threads,
-                                      progress)
-        print(f"exported {rep['tensors']} tensors ({tools.human_bytes(rep['bytes'])}) to {rep['out']}: "
-              + ", ".join(rep["files"][:6]) + (" ..." if len(rep["files"]) > 6 else ""))
+        rep = convert.export_checkpoint(args.path, args.out, args.to, args.model_only or None, args.dtype,
+                                        args.rename, args.shard_size, args.config, args.allow_pickle, args.threads,
+                                        progress)
+        _print_json(rep) if out else print(
+            f"exported {rep['tensors']} tensors ({human_bytes(rep['bytes'])}) to {rep['out']}: "
+            + ", ".join(rep["files"][:6]) + (" ..." if len(rep["files"]) > 6 else ""))
         return 0
     if args.command == "import":
-        rep = tools.import_checkpoint(args.src, args.out, args.source, args.prefix, args.allow_pickle, args.rename)
-        print(f"imported {rep['tensors']} tensors ({tools.human_bytes(rep['bytes'])}) and {rep['values']} "
-              f"values into {rep['out']}")
+        rep = convert.import_checkpoint(args.src, args.out, args.source, args.prefix, args.allow_pickle, args.rename)
+        _print_json(rep) if out else print(
+            f"imported {rep['tensors']} tensors ({human_bytes(rep['bytes'])}) and {rep['values']} "
+            f"values into {rep['out']}")
         return 0
     if args.command == "rename":
         if not args.rule:
-            raise tools.ToolError("give at least one --rule 'REGEX=REPL'")
-        changed = tools.rename_checkpoint(args.path, args.rule, args.dry_run)
+            raise ToolError("give at least one --rule 'REGEX=REPL'")
+        changed = rename.rename_checkpoint(args.path, args.rule, args.dry_run)
+        if out:
+            out({"renamed": changed, "dry_run": args.dry_run})
+            return 0
         for old, new in changed.items():
             print(f"{old} -> {new}")
         print(f"{len(changed)} key(s) {'would be ' if args.dry_run else ''}renamed")
         return 0
     if args.command == "ls":
-        ckpts = tools.list_checkpoints(args.root)
-        if args.json:
-            _print_json(ckpts)
-        else:
-            for c in ckpts:
-                state = "complete" if c["complete"] else "INCOMPLETE (never committed)"
-                mark = "  <- latest" if c["latest"] else ""
-                print(f"{c['name'] or c['path']:<16} {state}{mark}")
-            if not ckpts:
-                print(f"no checkpoints under {args.root}")
+        ckpts = manage.list_checkpoints(args.root)
+        if out:
+            out(ckpts)
+            return 0
+        for c in ckpts:
+            state = "complete" if c["complete"] else "INCOMPLETE (never committed)"
+            mark = "  <- latest" if c["latest"] else ""
+            print(f"{c['name'] or c['path']:<16} {state}{mark}")
+        if not ckpts:
+            print(f"no checkpoints under {args.root}")
         return 0
     if args.command == "latest":
-        print(tools.latest_checkpoint(args.root))
+        path = manage.latest_checkpoint(args.root)
+        _print_json({"path": path}) if out else print(path)
         return 0
     if args.command == "prune":
-        rep = tools.prune_checkpoints(args.root, args.keep_last, args.keep_every, args.dry_run)
+        rep = manage.prune_checkpoints(args.root, args.keep_last, args.keep_every, args.dry_run)
         verb = "would remove" if args.dry_run else "removed"
-        print(f"{verb}: {', '.join(rep['removed']) or 'nothing'}; kept: {', '.join(rep['kept']) or 'nothing'}")
+        _print_json(rep) if out else print(
+            f"{verb}: {', '.join(rep['removed']) or 'nothing'}; kept: {', '.join(rep['kept']) or 'nothing'}")
         return 0
     if args.command == "report":
         from . import report
         rep = report.build(*report.read_records(args.path), op=args.op)
+        files = None if args.text else report.write(rep, args.out, args.rank)
+        if out:
+            out({"source": rep.source, "op": rep.op, "ranks": rep.ranks, "phases": rep.phases,
+                 "slowest_rank": max(rep.ranks, key=rep.rank_time),
+                 "busy_s": {f"{r}/{p}": t for (r, p), t in sorted(rep.busy.items())},
+                 "files": list(files) if files else []})
+            return 0
         print(report.summary(rep))
-        if not args.text:
-            print("wrote {} and {}".format(*report.write(rep, args.out, args.rank)))
+        if files:
+            print("wrote {} and {}".format(*files))
         return 0
     raise AssertionError(args.command)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not logging.getLogger().handlers:  # library warnings (bcp's logger) go to stderr, one line each
+        logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     try:
         return run(args)
+    except MissingExtraError as e:  # one line, no traceback: what to install
+        print(e, file=sys.stderr)
+        return 2
     except (BCPError, OSError, ValueError) as e:
         print(f"bcp {args.command}: error: {e}", file=sys.stderr)
         return 1

@@ -1,0 +1,206 @@
+"""The storage interface: `Storage` and `FileWriter`, the scheme registry, process-wide I/O settings.
+
+A backend is one class implementing `Storage`, registered with `register_storage` for the URL
+schemes it serves; `storage_for(path)` picks it by the path's scheme. Every method takes a path
+relative to the storage root (`/`-separated): the engine never builds backend-specific paths.
+docs/storage.md describes configuration and how to add a backend.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+from ..errors import StorageError
+
+
+# ----------------------------------------------------------------------------- configuration
+
+@dataclass
+class StorageConfig:
+    """Process-wide I/O settings; change them with `configure_storage`."""
+
+    io_threads: int = min(16, max(4, os.cpu_count() or 4))  # threads per chunked read/write
+    chunk_bytes: int = 16 << 20        # ranged reads and local pwrite/pread are split into chunks this big
+    part_bytes: int = 16 << 20         # object-store upload part (S3 needs >= 5 MiB for all but the last)
+    max_inflight_parts: int = 4        # parts buffered per file being uploaded (bounds memory)
+    retry_attempts: int = 5            # attempts per request, the first one included
+    retry_base_delay: float = 0.2      # seconds before the first retry; doubles each time, with jitter
+    retry_max_delay: float = 10.0
+
+
+CONFIG = StorageConfig()
+FS_OPTIONS: dict[str, dict[str, Any]] = {}
+
+
+def configure_storage(**changes: Any) -> StorageConfig:
+    """Change fields of `CONFIG` (e.g. `configure_storage(part_bytes=64 << 20, retry_attempts=8)`)."""
+    known = {f.name for f in fields(StorageConfig)}
+    for k, v in changes.items():
+        if k not in known:
+            raise ValueError(f"unknown storage setting {k!r}; known: {sorted(known)}")
+        if v is None:
+            continue
+        lowest = 0 if k in ("retry_base_delay", "retry_max_delay") else 1
+        if not isinstance(v, (int, float)) or v < lowest:
+            raise ValueError(f"storage setting {k}={v!r} must be a number >= {lowest}")
+        setattr(CONFIG, k, v)
+    return CONFIG
+
+
+def set_storage_options(scheme: str, **options: Any) -> None:
+    """Keyword arguments for the fsspec filesystem of `scheme` (e.g. `endpoint_url` for s3).
+
+    The special option `upload` forces the upload strategy: "multipart" (S3), "compose"
+    (parts + the filesystem's `merge`), or "stream" (one sequential stream per file).
+    Options from fsspec's own config (`FSSPEC_S3_ENDPOINT_URL=...`, `FSSPEC_S3='{json}'`)
+    apply too; these take precedence.
+    """
+    FS_OPTIONS[scheme.lower()] = dict(options)
+
+
+# ----------------------------------------------------------------------------- I/O threads
+#
+# Threads live only as long as the operation that needs them (one call of _run_all, one file being
+# uploaded). Idle threads left to the interpreter's shutdown were seen to make gloo's worker threads
+# abort the process at exit (a collective's teardown then runs while Python is finalizing).
+
+def run_all(tasks: list[Callable[[], None]]) -> None:
+    """Run tasks on up to CONFIG.io_threads threads and wait for all; re-raise the first error after
+    every task ended."""
+    if len(tasks) == 1:
+        tasks[0]()
+        return
+    with ThreadPoolExecutor(min(len(tasks), CONFIG.io_threads), thread_name_prefix="bcp-io") as pool:
+        futures = [pool.submit(t) for t in tasks]
+        errors = [f.exception() for f in futures]
+    for e in errors:
+        if e is not None:
+            raise e
+
+
+def chunks(n: int) -> list[tuple[int, int]]:
+    step = CONFIG.chunk_bytes
+    return [(i, min(i + step, n)) for i in range(0, n, step)] or [(0, 0)]
+
+
+# ----------------------------------------------------------------------------- interface
+
+class FileWriter(ABC):
+    """A file being written sequentially. `close()` makes it durable and visible; nothing is visible before.
+
+    `write` has consumed (written or copied) the buffer when it returns, so callers may reuse it.
+    """
+
+    @abstractmethod
+    def write(self, data: memoryview) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Give up on the file (best effort); called on errors. A partly uploaded file is discarded."""
+
+
+class Storage(ABC):
+    """A directory tree in some store, rooted at `root`."""
+
+    schemes: ClassVar[tuple[str, ...]] = ()
+    # Whether the bytes live across a network (object stores, HDFS): reading once and sharing
+    # between ranks pays off there, not for local disk or RAM.
+    remote: ClassVar[bool] = True
+
+    def __init__(self, root: str, fsync: bool = True):
+        self.root = root
+        self.fsync = fsync
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.root!r})"
+
+    def child(self, relpath: str) -> Storage:
+        """A storage of the same kind rooted at a subdirectory."""
+        return type(self)(self.join(relpath), fsync=self.fsync)
+
+    def join(self, relpath: str) -> str:
+        return self.root.rstrip("/") + "/" + relpath if relpath else self.root
+
+    @abstractmethod
+    def open_writer(self, relpath: str) -> FileWriter: ...
+
+    @abstractmethod
+    def read_into(self, relpath: str, offset: int, out: memoryview) -> None:
+        """Fill `out` with the bytes at [offset, offset+len(out)); short files are an error."""
+
+    @abstractmethod
+    def size(self, relpath: str) -> int: ...
+
+    def map(self, relpath: str) -> memoryview | None:
+        """A read-only view of the whole file without copying it (a memory map), or None if the
+        backend cannot offer one. Readers that need scattered parts of a file use it."""
+        return None
+
+    @abstractmethod
+    def write_atomic(self, relpath: str, data: bytes) -> None:
+        """Replace the file with `data` so readers see either the old or the new content, durably."""
+
+    @abstractmethod
+    def read_bytes(self, relpath: str) -> bytes: ...
+
+    @abstractmethod
+    def exists(self, relpath: str) -> bool: ...
+
+    @abstractmethod
+    def listdir(self, relpath: str = "") -> list[str]:
+        """Names directly under relpath; empty if it does not exist."""
+
+    @abstractmethod
+    def makedirs(self, relpath: str = "") -> None: ...
+
+    @abstractmethod
+    def remove(self, relpath: str) -> None:
+        """Remove a file or a whole directory tree; missing is not an error."""
+
+
+_REGISTRY: dict[str, type[Storage]] = {}
+
+
+def register_storage(cls: type[Storage]) -> type[Storage]:
+    """Class decorator: route every scheme in `cls.schemes` to `cls` (`"*"`: every unclaimed scheme)."""
+    for scheme in cls.schemes:
+        _REGISTRY[scheme.lower()] = cls
+    return cls
+
+
+def scheme_of(path: str) -> str:
+    head, sep, _ = str(path).partition("://")
+    return head.lower() if sep else "file"
+
+
+def storage_for(path: str | os.PathLike, fsync: bool = True) -> Storage:
+    """The registered storage for `path` (`/dir`, `file:///dir`, `s3://bucket/key`, ...)."""
+    path = os.fspath(path)
+    scheme = scheme_of(path)
+    cls = _REGISTRY.get(scheme)
+    if cls is None:
+        cls = _REGISTRY.get("*")  # the catch-all backend (fsspec)
+    if cls is None:
+        raise StorageError(f"no storage backend for scheme {scheme!r} in path {path!r}; "
+                           f"known schemes: {sorted(_REGISTRY)}")
+    return cls(path, fsync=fsync)
+
+
+
+def write_all(writer: FileWriter, chunks: Iterable[memoryview]) -> None:
+    try:
+        for c in chunks:
+            writer.write(c)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+

@@ -1,0 +1,368 @@
+"""`bcp export` (to a Hugging Face directory or a torch.save file) and `bcp import` (from HF, DCP, torch).
+
+Export reads tensors in row blocks and writes them as they arrive, so memory does not grow
+with the model; import memory-maps its source, so nothing is read before it is saved.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import api, codec
+from ..engine import SAFETENSORS_DTYPES, ShardReader
+from ..errors import BCPError, ToolError
+from ..metadata import CheckpointMetadata, ObjectValue, TensorMeta, dtype_from_name, element_size
+from ..storage import Storage, storage_for
+from .read import open_checkpoint, progress_bar, read_blocks, read_whole, sections
+from .rename import parse_rules, rename_map
+
+_SAFETENSORS_CODE_TO_DTYPE = {code: dt for dt, code in SAFETENSORS_DTYPES.items()}
+DTYPE_ALIASES = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+    "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "fp64": torch.float64, "float64": torch.float64,
+}
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*", str(text).lower())
+    if not m:
+        raise ToolError(f"bad size {text!r}; use e.g. 5GB, 500MiB, 1000000")
+    unit = (m.group(2) or "").rstrip("b")
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+             "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+def parse_dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    if name.lower() in DTYPE_ALIASES:
+        return DTYPE_ALIASES[name.lower()]
+    try:
+        return dtype_from_name(name.removeprefix("torch."))
+    except BCPError:
+        raise ToolError(f"unknown dtype {name!r}; use bf16, fp16, fp32 or a torch dtype name") from None
+
+
+@dataclass
+class ExportEntry:
+    name: str        # key in the output
+    fqn: str         # key in the checkpoint
+    tm: TensorMeta
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.tm.shape) * element_size(self.dtype)
+
+
+def _select(md: CheckpointMetadata, model_only: bool, rules, dtype: torch.dtype | None) -> list[ExportEntry]:
+    keys = sorted(md.tensors)
+    if model_only:
+        keys = [k for k in keys if k.startswith("model.")]
+        if not keys:
+            raise ToolError("--model-only: the checkpoint has no keys under 'model.'; sections are "
+                            + ", ".join(sorted(sections(md.keys()))))
+    names = rename_map([k.removeprefix("model.") if model_only else k for k in keys], rules)
+    out = []
+    for k in keys:
+        tm = md.tensors[k]
+        cast = dtype if dtype is not None and tm.dtype.is_floating_point else tm.dtype
+        out.append(ExportEntry(names[k.removeprefix("model.") if model_only else k], k, tm, cast))
+    return out
+
+
+def _cast_bytes(block: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, memoryview]:
+    t = block.to(dtype) if block.dtype != dtype else block
+    t = t.contiguous()
+    if t.numel() == 0:
+        return t, memoryview(b"")
+    return t, memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def _safetensors_header(entries: list[ExportEntry]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    pos = 0
+    for e in entries:
+        code = SAFETENSORS_DTYPES.get(e.dtype)
+        if code is None:
+            raise ToolError(f"tensor {e.fqn!r} has dtype {e.dtype}, which safetensors cannot store; "
+                            "export with --to torch or --dtype")
+        header[e.name] = {"dtype": code, "shape": list(e.tm.shape), "data_offsets": [pos, pos + e.nbytes]}
+        pos += e.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def _copy_config(config: str, out: Storage) -> list[str]:
+    """Copy a config.json (or every non-weight file of a directory: config, tokenizer...) next to the weights."""
+    if os.path.isdir(config):
+        names = [n for n in sorted(os.listdir(config)) if os.path.isfile(os.path.join(config, n))
+                 and not n.endswith((".safetensors", ".bin", ".pt", ".pth", ".index.json"))]
+        sources = [(os.path.join(config, n), n) for n in names]
+    else:
+        sources = [(config, "config.json")]
+    for src, name in sources:
+        with open(src, "rb") as f:
+            out.write_atomic(name, f.read())
+    return [n for _, n in sources]
+
+
+def export_checkpoint(path: str, out: str, to: str = "hf", model_only: bool | None = None,
+                      dtype: str | None = None, rename: list[str] | None = None, shard_size: str = "5GB",
+                      config: str | None = None, allow_pickle: bool = False, num_threads: int = 4,
+                      progress: bool = False) -> dict:
+    """Merge a checkpoint into a Hugging Face directory or a torch.save file, in bounded memory.
+
+    Tensors are read in row blocks of ~64 MiB (from whichever saved pieces cover them) and
+    written out as they arrive, so peak memory does not grow with the model.
+    """
+    st, md = open_checkpoint(path)
+    rules = parse_rules(rename)
+    cast = parse_dtype(dtype)
+    if to == "hf":
+        # A Hugging Face directory holds model weights only.
+        if model_only is None:
+            model_only = any(k.startswith("model.") for k in md.tensors)
+        return _export_hf(st, md, out, _select(md, model_only, rules, cast), parse_size(shard_size), config,
+                          num_threads, progress)
+    if to == "torch":
+        return _export_torch(st, md, out, _select(md, bool(model_only), rules, cast), bool(model_only), rules,
+                             allow_pickle, num_threads, progress)
+    raise ToolError(f"unknown export format {to!r}; use hf or torch")
+
+
+def _export_hf(st, md, out_path, entries, shard_bytes, config, num_threads, progress) -> dict:
+    shards: list[list[ExportEntry]] = [[]]
+    size = 0
+    for e in entries:
+        if shards[-1] and size + e.nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += e.nbytes
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    out = storage_for(out_path)
+    out.makedirs()
+    total = sum(e.nbytes for e in entries)
+    bar = progress_bar(total, "export", enabled=progress)
+    for name, shard in zip(names, shards):
+        writer = out.open_writer(name)
+        try:
+            writer.write(memoryview(_safetensors_header(shard)))
+            for e in shard:
+                for block in read_blocks(st, md, e.fqn, e.tm, num_threads):
+                    t, data = _cast_bytes(block, e.dtype)
+                    writer.write(data)
+                    bar.update(len(data))
+                    del t, block
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+    bar.close()
+    written = list(names)
+    if n > 1:
+        index = {"metadata": {"total_size": total, "format": "bcp-export"},
+                 "weight_map": {e.name: name for name, shard in zip(names, shards) for e in shard}}
+        out.write_atomic("model.safetensors.index.json", json.dumps(index, indent=2).encode())
+        written.append("model.safetensors.index.json")
+    if config:
+        written += _copy_config(config, out)
+    return {"out": out.root, "files": written, "tensors": len(entries), "bytes": total}
+
+
+def _export_torch(st, md, out_path, entries, model_only, rules, allow_pickle, num_threads, progress) -> dict:
+    """A torch.save file written without holding the model: torch.save writes the file with placeholder
+    storages (torch.serialization.skip_data), then the tensor bytes are streamed into their records."""
+    import zipfile
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if "://" in str(out_path) and not str(out_path).startswith("file://"):
+        raise ToolError("--to torch writes a local file; give a local OUT path")
+    out_path = str(out_path).removeprefix("file://")
+    with FakeTensorMode():
+        fakes = {e.name: torch.empty(e.tm.shape, dtype=e.dtype) for e in entries}
+    state: dict[str, Any] = dict(fakes)
+    if not model_only:
+        values = {k: codec.decode(o.encoded, k, allow_pickle) for k, o in md.objects.items()}
+        for k, pr in md.per_rank.items():  # values that differ per rank: rank 0's
+            v = pr.variant_for(0)
+            values[k] = codec.decode(v.encoded, k, allow_pickle) if isinstance(v, ObjectValue) \
+                else read_whole(st, md, k, v, num_threads)
+        for k in md.sharded_objects:  # every saved shard, keyed by its grid index
+            reader = ShardReader(st, md, k, allow_pickle, True)
+            values[k] = {",".join(map(str, i)): reader[i] for i in reader.indices}
+        for k, v in rename_map(values, rules).items():
+            if v in state:
+                raise ToolError(f"key {v!r} is both a tensor and a value after renaming")
+            state[v] = values[k]
+    # torch.save numbers storages in the order it pickles them: the tensors first, in dict order, then
+    # any tensor inside the values. That order is recomputed here and checked against the record sizes.
+    order: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def walk(v):
+        if isinstance(v, torch.Tensor):
+            if id(v.untyped_storage()) not in seen:
+                seen.add(id(v.untyped_storage()))
+                order.append(v)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+
+    walk(state)
+    tmp = f"{out_path}.tmp.{os.getpid()}"
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save(state, tmp)
+    reader = torch._C.PyTorchFileReader(tmp)
+    with zipfile.ZipFile(tmp) as z:
+        sizes = {i.filename.split("/", 1)[1]: i.file_size for i in z.infolist() if "/" in i.filename}
+    records = [f"data/{i}" for i in range(len(order))]
+    expected = [t.untyped_storage().nbytes() if i >= len(entries) else entries[i].nbytes
+                for i, t in enumerate(order)]
+    if [sizes.get(r) for r in records] != expected or f"data/{len(order)}" in sizes:
+        os.remove(tmp)
+        raise ToolError("torch.save laid out the storages in an unexpected order; cannot stream the export "
+                        "(values holding tensors in unusual containers?)")
+    total = sum(e.nbytes for e in entries)
+    bar = progress_bar(total, "export", enabled=progress)
+    fd = os.open(tmp, os.O_WRONLY)
+    try:
+        for i, e in enumerate(entries):
+            pos = reader.get_record_offset(records[i])
+            for block in read_blocks(st, md, e.fqn, e.tm, num_threads):
+                t, data = _cast_bytes(block, e.dtype)
+                while len(data):
+                    k = os.pwrite(fd, data, pos)
+                    data, pos = data[k:], pos + k
+                bar.update(t.numel() * t.element_size())
+        for i in range(len(entries), len(order)):  # small tensors inside values
+            t = order[i]
+            raw = bytes(t.untyped_storage())
+            os.pwrite(fd, raw, reader.get_record_offset(records[i]))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, out_path)
+    bar.close()
+    return {"out": out_path, "files": [out_path], "tensors": len(entries), "bytes": total}
+
+
+def _flatten(prefix: str, v: Any, out: dict) -> None:
+    if isinstance(v, dict) and all(isinstance(k, str) for k in v):
+        for k, x in v.items():
+            _flatten(f"{prefix}.{k}" if prefix else k, x, out)
+    else:
+        out[prefix] = v
+
+
+def _mmap_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors file as views of a private memory map: nothing is read until saved."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if n > min(size - 8, 100 << 20):
+            raise ToolError(f"{path}: not a safetensors file (header length {n})")
+        header = json.loads(f.read(n))
+    storage = torch.UntypedStorage.from_file(path, shared=False, nbytes=size)
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+    base = 8 + n
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dt = _SAFETENSORS_CODE_TO_DTYPE.get(info["dtype"])
+        if dt is None:
+            raise ToolError(f"{path}: tensor {name!r} has dtype {info['dtype']} that bcp cannot import")
+        lo, hi = info["data_offsets"]
+        shape = tuple(info["shape"])
+        if hi - lo != math.prod(shape) * element_size(dt) or base + hi > size:
+            raise ToolError(f"{path}: tensor {name!r} has inconsistent offsets {lo}..{hi}")
+        out[name] = flat[base + lo: base + hi].view(dt).view(shape)
+    return out
+
+
+def _hf_files(src: str) -> list[str]:
+    if os.path.isfile(src):
+        return [src]
+    index = os.path.join(src, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(src, x) for x in files]
+    single = os.path.join(src, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    found = sorted(x for x in os.listdir(src) if x.endswith(".safetensors"))
+    if not found:
+        raise ToolError(f"{src}: no model.safetensors, no model.safetensors.index.json, no *.safetensors")
+    return [os.path.join(src, x) for x in found]
+
+
+def _read_dcp(src: str) -> dict[str, Any]:
+    """Load a DCP checkpoint into fresh CPU tensors. DCP's .metadata is a pickle: unpickled here only
+    because the user asked to import this checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(src)
+    meta = reader.read_metadata()
+    state: dict[str, Any] = {}
+    for key, m in meta.state_dict_metadata.items():
+        if isinstance(m, TensorStorageMetadata):
+            state[key] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        elif isinstance(m, BytesStorageMetadata):
+            state[key] = None
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
+
+
+def import_checkpoint(src: str, out: str, source: str, prefix: str | None = None, allow_pickle: bool = False,
+                      rename: list[str] | None = None) -> dict:
+    """Build a bcp checkpoint at `out` from a HF directory, a DCP checkpoint or a torch.save file.
+
+    Keys are put under `prefix` (default "model" for hf/torch, none for dcp, whose keys already
+    carry their top-level names), so that `bcp.load(out, {"model": model})` finds them.
+    """
+    if source == "hf":
+        flat: dict[str, Any] = {}
+        for f in _hf_files(src):
+            flat.update(_mmap_safetensors(f))
+        default_prefix = "model"
+    elif source == "torch":
+        # weights_only refuses to run code from the file; mmap keeps memory flat for big files.
+        obj = torch.load(src, map_location="cpu", mmap=True, weights_only=True)
+        if not isinstance(obj, dict):
+            raise ToolError(f"{src} holds a {type(obj).__name__}, expected a dict (a state dict)")
+        flat = {}
+        _flatten("", obj, flat)
+        default_prefix = "model"
+    elif source == "dcp":
+        flat = _read_dcp(src)
+        default_prefix = ""
+    else:
+        raise ToolError(f"unknown import format {source!r}; use hf, dcp or torch")
+    prefix = default_prefix if prefix is None else prefix
+    names = rename_map(flat, parse_rules(rename))
+    state = {names[k]: v for k, v in flat.items()}
+    tensors = sum(1 for v in state.values() if isinstance(v, torch.Tensor))
+    total = sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+    root = {prefix: state} if prefix else state
+    api.save(out, root, framework="plain", allow_pickle=allow_pickle,
+             user_metadata={"imported_from": {"format": source, "path": os.path.abspath(src)}}).wait()
+    return {"out": str(out), "tensors": tensors, "values": len(state) - tensors, "bytes": total}
