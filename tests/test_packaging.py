@@ -1,0 +1,64 @@
+"""The project installs, from the local tree, into a fresh virtual environment under its distribution
+name, and both entry points (the `bcp` script, `python -m bcp_core`) run there.
+
+Offline and quick: the new environment has no pip and no packages of its own; a .pth file puts this
+test environment's site-packages (torch, pip, setuptools...) behind its own, and the project is
+installed non-editable with --no-deps --no-build-isolation from a copy of the source tree (so no
+build output lands in the checkout). That directory's own .pth files are not run from there, so an
+editable install of the project in the test environment stays invisible to the new one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import site
+import subprocess
+import sysconfig
+import venv
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DIST = "bcp-checkpoint"
+
+
+def _run(cmd, cwd, env, timeout=120) -> subprocess.CompletedProcess:
+    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"{cmd} -> {out.returncode}\n{out.stdout}\n{out.stderr}"
+    return out
+
+
+def test_installs_into_a_fresh_venv_and_runs_both_entry_points(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(REPO, name), src / name)
+    for pkg in ("bcp_core", "bcp_integrations"):
+        shutil.copytree(os.path.join(REPO, pkg), src / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=False, symlinks=os.name != "nt").create(env_dir)
+    bindir = env_dir / ("Scripts" if os.name == "nt" else "bin")
+    python = str(bindir / ("python.exe" if os.name == "nt" else "python"))
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    outer = [p for p in [*site.getsitepackages(), sysconfig.get_paths()["purelib"]] if os.path.isdir(p)]
+    with open(os.path.join(purelib, "_outer_site_packages.pth"), "w") as f:
+        f.write("\n".join(dict.fromkeys(outer)) + "\n")
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    env["PIP_NO_INDEX"] = "1"
+    cwd = tmp_path  # not the checkout: `python -m` would find ./bcp_core first
+    _run([python, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", str(src)], cwd, env,
+         timeout=300)
+
+    shown = _run([python, "-m", "pip", "show", "-f", DIST], cwd, env).stdout
+    assert f"Name: {DIST}" in shown
+    location = _run([python, "-c", "import bcp_core; print(bcp_core.__file__)"], cwd, env).stdout.strip()
+    assert os.path.realpath(location).startswith(os.path.realpath(purelib)), location  # the fresh install
+
+    script = str(bindir / ("bcp.exe" if os.name == "nt" else "bcp"))
+    for cmd in ([script, "--help"], [python, "-m", "bcp_core", "--help"]):
+        out = _run(cmd, cwd, env)
+        assert out.stdout.lower().startswith("usage:"), (cmd, out.stdout)
+        assert "inspect" in out.stdout and "verify" in out.stdout
