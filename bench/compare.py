@@ -39,16 +39,15 @@ import mmap
 import os
 import resource
 import shutil
-import socket
 import sys
 import tempfile
 import time
 import warnings
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from _spawn import run_ranks  # bench/_spawn.py
 
 N_TENSORS = 16
 FIRST_SYSTEMS = ("bcp", "dcp", "bcp_fork", "dcp_best", "bcp_prepared")
@@ -304,41 +303,14 @@ def _e2e(gib, root):
             "dcp_save_first_s": times["dcp"][0], "dcp_save_s": min(times["dcp"]), "runs": times}
 
 
-def _worker(rank, ws, port, what, gib, root, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=ws, timeout=timedelta(minutes=20))
-    try:
-        if what.startswith("first:"):
-            res = _first(gib, root, what.split(":")[1])
-        else:
-            res = {"floors": _floors, "bcp": _bcp, "dcp": _dcp, "e2e": _e2e}[what](gib, root)
-        if rank == 0:
-            queue.put(res)
-        # A gloo worker thread frees the last collective's work (and its tensor, which needs the GIL)
-        # just after the caller returns; if the interpreter is finalizing by then, the process
-        # aborts. Sleeping releases the GIL so that the thread finishes first.
-        dist.barrier()
-        time.sleep(0.2)
-    finally:
-        dist.destroy_process_group()
+def _measure(what, gib, root):
+    if what.startswith("first:"):
+        return _first(gib, root, what.split(":")[1])
+    return {"floors": _floors, "bcp": _bcp, "dcp": _dcp, "e2e": _e2e}[what](gib, root)
 
 
 def _run(what, ranks, gib, root):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, ranks, port, what, gib, root, queue)) for r in range(ranks)]
-    for p in procs:
-        p.start()
-    res = queue.get(timeout=3600)
-    for rank, p in enumerate(procs):
-        p.join()
-        if p.exitcode:
-            print(f"bench: {what}: rank {rank} exited with code {p.exitcode} after reporting", file=sys.stderr)
-    return res
+    return run_ranks(_measure, ranks, what, gib, root, name=what)
 
 
 def main():

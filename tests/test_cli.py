@@ -315,3 +315,32 @@ def test_verify_checks_sharded_values(tmp_path, capsys):
     assert _bcp("verify", str(ckpt)) == 1
     out = capsys.readouterr().out
     assert "FAULT [checksum]" in out and "sharded value 'dataloader.buf' index [0]" in out
+
+
+def test_streams_progress_on_stderr_and_json_on_stdout(tmp_path):
+    """Results go to stdout (one JSON document with --json), the tqdm progress bar to stderr; TQDM_DISABLE
+    and -q silence it; every command a script would parse answers --json."""
+    root = tmp_path / "root"
+    bcp.save(str(root), {"model": {"w": torch.arange(3 << 20, dtype=torch.float32)}}, step=5).wait()
+
+    def run(*argv, env=None):
+        return subprocess.run([sys.executable, "-m", "bcp_core", *argv], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, **(env or {})})
+
+    out = run("verify", str(root))
+    assert out.returncode == 0 and out.stdout.startswith("OK: ") and len(out.stdout.splitlines()) == 1
+    assert "verify" in out.stderr and "100%" in out.stderr and "12.0M" in out.stderr  # the bar, in bytes
+    for quiet in (run("verify", str(root), env={"TQDM_DISABLE": "1"}), run("-q", "verify", str(root))):
+        assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout.startswith("OK: ")
+
+    checks = {("verify",): lambda j: j["ok"] and j["checked_bytes"] == 12 << 20,
+              ("ls",): lambda j: [c["step"] for c in j] == [5] and j[0]["latest"],
+              ("latest",): lambda j: j == {"path": str(root / "step_00000005")},
+              ("inspect",): lambda j: j["tensors"]["model.w"]["shape"] == [3 << 20],
+              ("prune", "--keep-last", "1", "--dry-run"): lambda j: j == {"removed": [], "kept": ["step_00000005"],
+                                                                        "dry_run": True},
+              ("rename", "--rule", "^model\\.=net.", "--dry-run"): lambda j: j["renamed"] == {"model.w": "net.w"}}
+    for args, check in checks.items():
+        out = run(args[0], str(root), *args[1:], "--json")
+        assert out.returncode == 0 and out.stderr == "", (args, out.stderr)
+        assert check(json.loads(out.stdout)), (args, out.stdout)

@@ -26,10 +26,12 @@ CHUNK_BYTES = 64 << 20
 
 
 def progress_bar(total: int, desc: str, enabled: bool = True) -> tqdm:
-    """A byte-progress bar on stderr (tqdm: TQDM_DISABLE, notebooks and non-terminals handled there)."""
+    """A byte-progress bar on stderr (tqdm: TQDM_DISABLE and the other TQDM_* settings, notebooks)."""
+    # `disable` is passed only to switch the bar off: passed at all, it would override TQDM_DISABLE.
+    off = {} if enabled else {"disable": True}
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-                disable=not enabled or None, dynamic_ncols=True,
-                mininterval=0.1 if sys.stderr.isatty() else 10.0)  # a log gets a line every 10 s, not a flood
+                dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 10.0,  # a log: a line per 10 s
+                **off)
 
 
 def open_checkpoint(path: str) -> tuple[Storage, CheckpointMetadata]:

@@ -1,0 +1,52 @@
+"""Run a benchmark function on N gloo ranks in fresh processes; rank 0's result comes back.
+
+Fresh processes per measurement: no system inherits another's warmed memory or threads.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank, ws, port, fn, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=ws, timeout=timedelta(minutes=20))
+    try:
+        res = fn(*args)
+        if rank == 0:
+            queue.put(res)
+        # A gloo worker thread frees the last collective's work (and its tensor, which needs the GIL)
+        # just after the caller returns; if the interpreter is finalizing by then, the process
+        # aborts. Sleeping releases the GIL so that the thread finishes first.
+        dist.barrier()
+        time.sleep(0.2)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, ranks: int, *args, name: str = ""):
+    """`fn(*args)` on `ranks` fresh gloo processes (fn must be importable by name); rank 0's result."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_worker, args=(r, ranks, port, fn, args, queue)) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    res = queue.get(timeout=3600)
+    for rank, p in enumerate(procs):
+        p.join()
+        if p.exitcode:
+            print(f"bench: {name or fn.__name__}: rank {rank} exited with code {p.exitcode} after reporting",
+                  file=sys.stderr)
+    return res
