@@ -195,6 +195,37 @@ def test_hf_callback_alone_saves_with_bcp_and_best_needs_the_mixin(tmp_path, mon
 
 
 @pytest.mark.timeout(300)
+def test_plain_trainer_resuming_a_bcp_checkpoint_says_to_use_bcp_trainer(tmp_path, monkeypatch):
+    """A plain Trainer with BCPCallback saves through bcp, but only BCPTrainer/the mixin resumes:
+    train(resume_from_checkpoint=...) fails before any step with one line naming them, instead of
+    HF's "Can't find a valid checkpoint". HF's own checkpoints still resume on a plain Trainer."""
+    from transformers import Trainer
+
+    from bcp_integrations.hf import BCPCallback
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "out"
+    _tiny_trainer(Trainer, out, [BCPCallback()], max_steps=2, save_strategy="steps", save_steps=2).train()
+    ckpt = out / "checkpoint-2"
+    bcp.inspect(ckpt)
+    for resume in (str(ckpt), True):
+        trainer = _tiny_trainer(Trainer, out, [BCPCallback()], max_steps=4, save_strategy="steps", save_steps=2)
+        with pytest.raises(ValueError) as info:
+            trainer.train(resume_from_checkpoint=resume)
+        assert str(info.value) == (
+            f"bcp: {ckpt} is a bcp checkpoint; a plain transformers.Trainer cannot resume from it (BCPCallback alone "
+            "only saves): use bcp_integrations.hf.BCPTrainer, or put BCPTrainerMixin in front of your Trainer class")
+        assert trainer.state.global_step == 0
+    assert os.listdir(out) == ["checkpoint-2"]
+
+    native = tmp_path / "native"
+    _tiny_trainer(Trainer, native, [], max_steps=2, save_strategy="steps", save_steps=2).train()
+    resumed = _tiny_trainer(Trainer, native, [], max_steps=3, save_strategy="no")
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 3
+
+
+@pytest.mark.timeout(300)
 def test_bcp_trainer_train_dataloader_state_resharded_2_to_1(tmp_path):
     """BCPTrainer(train_dataloader=MappedLoader(PackedTokenLoader(...))) on 2 ranks checkpoints the
     loader's state per DP rank with every save; resumed on 1 process, the loader (not the Trainer's

@@ -4,7 +4,8 @@
 with bcp, on every rank, asynchronously, honouring ``save_total_limit``. Resuming from them
 (``train(resume_from_checkpoint=True|path)``, also at another world size) and
 ``save_strategy="best"`` need ``BCPTrainer`` / ``BCPTrainerMixin``: the Trainer reads checkpoints
-and decides "best" saves in private methods that no callback event reaches. ``export_pretrained``
+and decides "best" saves in private methods that no callback event reaches (a plain Trainer asked to
+resume a bcp checkpoint fails at once with one line saying so). ``export_pretrained``
 turns a bcp checkpoint into a normal Hugging Face directory. See docs/integrations.md.
 """
 

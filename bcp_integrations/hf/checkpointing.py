@@ -1,8 +1,14 @@
-"""BCPCallback, BCPTrainerMixin and export_pretrained for HF Transformers' Trainer."""
+"""BCPCallback, BCPTrainerMixin and export_pretrained for HF Transformers' Trainer.
+
+Importing this module also guards ``Trainer._load_from_checkpoint`` (see
+``_guard_plain_trainer_resume``): a Trainer without the mixin, asked to resume a bcp checkpoint,
+fails at once with one line naming BCPTrainer instead of HF's "Can't find a valid checkpoint".
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -12,6 +18,8 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
+from transformers.utils import (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME,
+                                SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME)
 
 import bcp_core as bcp
 from bcp_core import metrics
@@ -34,6 +42,7 @@ class BCPCallback(TrainerCallback):
     committed. With ``BCPTrainerMixin`` (or ``BCPTrainer``) the Trainer also resumes from these
     checkpoints and ``save_strategy="best"`` / ``load_best_model_at_end`` work: the Trainer has no
     public hook for either, so the mixin overrides its checkpoint methods (see docs/integrations.md).
+    A plain Trainer asked to resume a bcp checkpoint raises a one-line ValueError naming them.
 
     Args:
         async_save: return once the state is staged; the write finishes in the background. The
@@ -289,6 +298,61 @@ class BCPTrainerMixin:
 
 class BCPTrainer(BCPTrainerMixin, Trainer):
     """``transformers.Trainer`` that saves and resumes through bcp."""
+
+
+# The files by which HF's Trainer._load_from_checkpoint recognises a checkpoint of its own.
+_HF_WEIGHT_FILES = (WEIGHTS_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_INDEX_NAME, ADAPTER_WEIGHTS_NAME,
+                    ADAPTER_SAFE_WEIGHTS_NAME)
+
+
+def _is_bcp_checkpoint_only(path) -> bool:
+    """`path` is a bcp checkpoint (committed or not) holding none of HF's own weight files."""
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
+        return False
+    if any(os.path.isfile(os.path.join(path, name)) for name in _HF_WEIGHT_FILES):
+        return False
+    try:
+        bcp.inspect(path)
+    except bcp.NotACheckpointError:
+        return False
+    except bcp.BCPError:
+        return True  # bcp's, but not committed or not readable
+    return True
+
+
+def _resume_needs_mixin_message(path) -> str:
+    return (f"bcp: {path} is a bcp checkpoint; a plain transformers.Trainer cannot resume from it (BCPCallback "
+            "alone only saves): use bcp_integrations.hf.BCPTrainer, or put BCPTrainerMixin in front of your "
+            "Trainer class")
+
+
+def _guard_plain_trainer_resume() -> None:
+    """Make ``train(resume_from_checkpoint=<a bcp checkpoint>)`` on a Trainer without the mixin fail
+    with one line naming BCPTrainer / BCPTrainerMixin.
+
+    No callback event runs before the Trainer reads the checkpoint (``train()`` calls
+    ``_load_from_checkpoint`` before ``on_train_begin``), so a callback can neither resume nor
+    detect this; HF's own error is ``Can't find a valid checkpoint at <path>``. The Trainer's
+    ``_load_from_checkpoint`` is wrapped once, in the class: for a bcp checkpoint that holds none of
+    HF's weight files (where HF raises that ValueError anyway) it raises a ValueError that says what
+    to use instead; in every other case it calls the original. The mixin overrides the method and
+    is not affected. Skipped if this Trainer has no such method.
+    """
+    original = getattr(Trainer, "_load_from_checkpoint", None)
+    if original is None or getattr(original, "_bcp_guard", False):
+        return
+
+    @functools.wraps(original)
+    def _load_from_checkpoint(self, resume_from_checkpoint, *args, **kwargs):
+        if not isinstance(self, BCPTrainerMixin) and _is_bcp_checkpoint_only(resume_from_checkpoint):
+            raise ValueError(_resume_needs_mixin_message(resume_from_checkpoint))
+        return original(self, resume_from_checkpoint, *args, **kwargs)
+
+    _load_from_checkpoint._bcp_guard = True
+    Trainer._load_from_checkpoint = _load_from_checkpoint
+
+
+_guard_plain_trainer_resume()
 
 
 def last_checkpoint(output_dir: str) -> str | None:
