@@ -12,24 +12,24 @@ import functools
 import json
 import logging
 import os
-import re
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
+from transformers.trainer_utils import SaveStrategy, rotate_checkpoints
 from transformers.utils import (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME,
                                 SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME)
 
 import bcp_core as bcp
 from bcp_core import metrics
 from bcp_core.dataloader import checkpointable
+from bcp_core.layout import HF_STEPS, latest_complete
 from bcp_core.rng import rng_state, set_rng_state
+from bcp_core.utils import this_rank
 
 log = logging.getLogger("bcp")
 
 TRAINER_STATE_NAME = "trainer_state.json"  # HF reads this file itself in train() before any hook
-_CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 class BCPCallback(TrainerCallback):
@@ -100,7 +100,7 @@ class BCPCallback(TrainerCallback):
         """The final checkpoint of a preempted run, saved here rather than by the Trainer after the
         callbacks: its evaluation and "best" decision there could skip the save."""
         log.warning("bcp: rank %d: preempted at step %d: final checkpoint %s", args.process_index, state.global_step,
-                    os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
+                    os.path.join(args.output_dir, HF_STEPS.name(state.global_step)))
         if self.trainer is not None:
             self.trainer._save_checkpoint(self.trainer.model_wrapped, None)  # the mixin's, as the Trainer's saves
         else:
@@ -119,7 +119,7 @@ class BCPCallback(TrainerCallback):
         # With the mixin, the Trainer's own _save_checkpoint routes here, for every save strategy.
         if self.trainer is not None or not control.should_save:
             return
-        output_dir = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        output_dir = os.path.join(args.output_dir, HF_STEPS.name(state.global_step))
         self.save(output_dir, args, state, *self._objects(kwargs))
         control.should_save = False
 
@@ -233,12 +233,12 @@ class BCPTrainerMixin:
 
     def _save_checkpoint(self, model, trial) -> None:
         run_dir = self._get_output_dir(trial=trial)
-        output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        output_dir = os.path.join(run_dir, HF_STEPS.name(self.state.global_step))
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         if self.state.best_global_step:
             # the best checkpoint is the step directory of the best metric, once it exists
-            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            best = os.path.join(run_dir, HF_STEPS.name(self.state.best_global_step))
             if self.state.best_global_step == self.state.global_step or os.path.isdir(best):
                 self.state.best_model_checkpoint = best
         self._update_exportable_callbacks()
@@ -357,18 +357,7 @@ _guard_plain_trainer_resume()
 
 def last_checkpoint(output_dir: str) -> str | None:
     """The newest ``checkpoint-<step>`` under `output_dir` that bcp committed (None if none)."""
-    if not os.path.isdir(output_dir):
-        return None
-    steps = sorted(((int(m.group(1)), n) for n in os.listdir(output_dir) if (m := _CHECKPOINT_RE.match(n))),
-                   reverse=True)
-    for _, name in steps:
-        path = os.path.join(output_dir, name)
-        try:
-            bcp.inspect(path)
-            return path
-        except bcp.BCPError:
-            continue
-    return None
+    return latest_complete(output_dir, HF_STEPS)
 
 
 def export_pretrained(checkpoint: str, output_dir: str, model=None, model_class=None) -> str:
@@ -404,7 +393,7 @@ def _unwrap_model(model):
 
 
 def _is_main_process() -> bool:
-    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    return this_rank() == 0
 
 
 
