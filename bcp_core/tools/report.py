@@ -172,8 +172,8 @@ def figure(rep: Report, rank: int | None = None):
 
 def write(rep: Report, out_prefix: str, rank: int | None = None) -> tuple[str, str]:
     """Write OUT.png and OUT.html (the PNG embedded, with the summary); returns their paths."""
-    import matplotlib.pyplot as plt
     fig = figure(rep, rank)
+    import matplotlib.pyplot as plt  # figure() required it
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
