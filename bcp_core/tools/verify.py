@@ -11,7 +11,7 @@ import torch
 from ..engine import read_all, read_verified
 from ..errors import BCPError, ChecksumError
 from ..load_planner import ReadItem
-from ..metadata import Piece, TensorMeta, element_size, num_blocks
+from ..metadata import CheckpointMetadata, Piece, TensorMeta, element_size, num_blocks
 from ..shards import intersect
 from ..storage import Storage
 from .read import CHUNK_BYTES, box_str, open_checkpoint, progress_bar, row_blocks
@@ -38,17 +38,32 @@ def _header_of(st: Storage, rel: str) -> dict:
     return {"_header_bytes": 8 + n, **json.loads(bytes(raw))}
 
 
+# A piece to check: (key for messages, its name in the file's header or "", its tensor, the piece).
+PieceRef = tuple[str, str, TensorMeta, Piece]
+
+
 def verify_checkpoint(path: str, num_threads: int = 4, progress: bool = False) -> dict:
     """Check completeness, data file framing, piece layout and every checksum. Never unpickles."""
-    faults: list[Fault] = []
     try:
         st, md = open_checkpoint(path)
     except BCPError as e:
         return {"path": str(path), "ok": False, "faults": [Fault("metadata", str(path), str(e)).to_json()],
                 "checked_bytes": 0, "pieces": 0}
+    faults: list[Fault] = []
+    pieces = _pieces(md)
+    bad_files, headers = _check_files(st, md, pieces, faults)
+    _check_framing(st, md, pieces, headers, faults)
+    _check_overlaps(md, faults)
+    checked = _check_checksums(st, md, pieces, bad_files, num_threads, progress, faults)
+    return {"path": st.root, "ok": not [f for f in faults if f.kind != "stray-file"],
+            "faults": [f.to_json() for f in faults], "checked_bytes": checked, "pieces": len(pieces),
+            "files": len(md.files), "sharded_object_pieces": sum(len(so.shards) for so in md.sharded_objects.values()),
+            "checksum_blocks": sum(num_blocks(p.nbytes, md.checksum_block_bytes) for *_, p in pieces)}
 
-    # All pieces: tensors and per-rank tensor variants, with their header names.
-    pieces: list[tuple[str, str, TensorMeta, Piece]] = []
+
+def _pieces(md: CheckpointMetadata) -> list[PieceRef]:
+    """Every tensor piece: of tensors (named "<fqn>@<offsets>" in their file) and of per-rank variants."""
+    pieces: list[PieceRef] = []
     for fqn, tm in md.tensors.items():
         for p in tm.pieces:
             pieces.append((fqn, f"{fqn}@{','.join(map(str, p.offsets))}", tm, p))
@@ -56,9 +71,14 @@ def verify_checkpoint(path: str, num_threads: int = 4, progress: bool = False) -
         for vid, v in enumerate(pr.variants):
             if isinstance(v, TensorMeta):
                 pieces.append((f"{fqn}#{vid}", "", v, v.pieces[0]))  # header name is the writer's business
+    return pieces
 
-    # Files: listed once per directory rather than checked one by one.
-    listed: dict[str, set[str]] = {}
+
+def _check_files(st: Storage, md: CheckpointMetadata, pieces: list[PieceRef],
+                 faults: list[Fault]) -> tuple[set[int], dict[int, dict]]:
+    """Each data file exists, is long enough and has a readable header; stray data files are noted.
+    Returns the indices of files not to read further, and the headers read."""
+    listed: dict[str, set[str]] = {}  # a directory listed once rather than each file checked
     bad_files: set[int] = set()
     needed_end = [0] * len(md.files)
     spans = [(p.file, p.byte_offset, p.nbytes) for *_, p in pieces]
@@ -91,9 +111,13 @@ def verify_checkpoint(path: str, num_threads: int = 4, progress: bool = False) -
             if rel not in referenced and n.endswith(".safetensors"):
                 faults.append(Fault("stray-file", st.join(rel), "data file not referenced by the metadata "
                                     "(left over from an aborted save?); harmless, but not part of this checkpoint"))
+    return bad_files, headers
 
-    # Framing: each piece where the file's safetensors header says it is (tensor pieces also under
-    # their documented name "<fqn>@<offsets>").
+
+def _check_framing(st: Storage, md: CheckpointMetadata, pieces: list[PieceRef], headers: dict[int, dict],
+                   faults: list[Fault]) -> None:
+    """Each piece is where its file's safetensors header says it is (tensor pieces also under their
+    documented name "<fqn>@<offsets>")."""
     spans_in_header: dict[int, dict[tuple[int, int], str]] = {}
     for i, h in headers.items():
         spans_in_header[i] = {}
@@ -114,7 +138,9 @@ def verify_checkpoint(path: str, num_threads: int = 4, progress: bool = False) -
         elif name and found != name:
             faults.append(Fault("header", where, f"header names the piece {found!r}, expected {name!r}"))
 
-    # Layout: pieces of a tensor must not overlap (their element counts were checked on parse).
+
+def _check_overlaps(md: CheckpointMetadata, faults: list[Fault]) -> None:
+    """The pieces of a tensor do not overlap (their element counts were checked on parse)."""
     for fqn, tm in md.tensors.items():
         ps = sorted(tm.pieces, key=lambda p: p.offsets)
         for i, a in enumerate(ps):
@@ -126,10 +152,13 @@ def verify_checkpoint(path: str, num_threads: int = 4, progress: bool = False) -
                     faults.append(Fault("overlap", fqn, f"pieces {box_str(a.offsets, a.lengths)} and "
                                         f"{box_str(b.offsets, b.lengths)} overlap"))
 
-    # Checksums: every block of every piece, read in chunks so memory stays bounded.
+
+def _check_checksums(st: Storage, md: CheckpointMetadata, pieces: list[PieceRef], bad_files: set[int],
+                     num_threads: int, progress: bool, faults: list[Fault]) -> int:
+    """Every checksum block of every piece, read in row blocks so memory stays bounded; returns the
+    bytes checked."""
     block = md.checksum_block_bytes
-    total = sum(p.nbytes for _, _, _, p in pieces if p.file not in bad_files)
-    bar = progress_bar(total, "verify", enabled=progress)
+    bar = progress_bar(sum(p.nbytes for *_, p in pieces if p.file not in bad_files), "verify", enabled=progress)
     checked = 0
     for key, _, tm, p in pieces:
         if p.file in bad_files:
@@ -160,7 +189,4 @@ def verify_checkpoint(path: str, num_threads: int = 4, progress: bool = False) -
                                     f"{list(p.index)})", str(e)))
             checked += p.nbytes
     bar.close()
-    return {"path": st.root, "ok": not [f for f in faults if f.kind != "stray-file"],
-            "faults": [f.to_json() for f in faults], "checked_bytes": checked, "pieces": len(pieces),
-            "files": len(md.files), "sharded_object_pieces": sum(len(so.shards) for so in md.sharded_objects.values()),
-            "checksum_blocks": sum(num_blocks(p.nbytes, block) for *_, p in pieces)}
+    return checked
