@@ -23,7 +23,7 @@ from .storage import Storage
 
 def save(path: str | os.PathLike, state: dict, framework: str = "auto", async_save: bool = False, *,
          step: int | None = None, role: str = "default", process_group=None, allow_pickle: bool = False,
-         fsync: bool = True, num_threads: int = 4, user_metadata: dict | None = None,
+         fsync: bool = True, num_threads: int | None = None, user_metadata: dict | None = None,
          on_commit: Callable[[str], None] | None = None, snapshot: str = "lazy",
          timeout: timedelta = DEFAULT_TIMEOUT) -> SaveHandle:
     """Save `state` from every rank into the checkpoint at `path`. Collective: call on all ranks.
@@ -51,7 +51,8 @@ def save(path: str | os.PathLike, state: dict, framework: str = "auto", async_sa
     latest, by the next `save` of the same `role`. `on_commit(path)` runs on every rank once the
     checkpoint is committed. Each `role` (e.g. "actor", "critic") has its own plan cache, staging
     buffers and queue. A second save whose structure is unchanged reuses the cached plan and
-    performs no planning collective.
+    performs no planning collective. `num_threads`: files this rank writes at once (default: its
+    share of the host's cores, at most 4, so that background writes leave training its cores).
     """
     return get_checkpointer(role).save(
         path, state, framework, async_save, step=step, process_group=process_group, allow_pickle=allow_pickle,
@@ -87,7 +88,7 @@ def mutating():
 
 def load(path: str | os.PathLike, state: dict, framework: str = "auto", strict: bool = True, *,
          process_group=None, allow_pickle: bool = False, verify_checksums: bool = True,
-         num_threads: int = 4, share_reads: bool | None = None,
+         num_threads: int | None = None, share_reads: bool | None = None,
          timeout: timedelta = DEFAULT_TIMEOUT) -> LoadResult:
     """Load the checkpoint at `path` (or the latest under a root) into `state`, in place.
 
@@ -100,10 +101,10 @@ def load(path: str | os.PathLike, state: dict, framework: str = "auto", strict: 
     passed to the other ranks that need it; on one host reading local files, each checksum block
     is verified by one rank only. Default (None): on for remote storage, multi-node jobs and states
     holding DTensors laid out over the whole group; otherwise off, so that a subset of the ranks
-    may load plain tensors on its own.
+    may load plain tensors on its own. `num_threads`: files read at once (default 4).
     """
     return load_checkpoint(path, state, framework, strict, process_group=process_group, allow_pickle=allow_pickle,
-                           verify_checksums=verify_checksums, num_threads=num_threads, share_reads=share_reads,
+                           verify_checksums=verify_checksums, num_threads=num_threads or 4, share_reads=share_reads,
                            timeout=timeout)
 
 

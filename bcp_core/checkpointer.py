@@ -47,7 +47,7 @@ from .save_planner import (Assignment, CommitStatus, GlobalSavePlan, LocalSavePl
 from .snapshot import ForkSnapshot, can_fork
 from .staging import LazyCopy, StagingPool, box_sources, contiguous_cpu, pool_key
 from .storage import Storage, storage_for
-from .utils import digest, gc_paused, this_rank
+from .utils import cores_per_rank, digest, gc_paused, this_rank
 
 log = logging.getLogger("bcp")
 
@@ -136,7 +136,7 @@ class Checkpointer:
 
     def save(self, path, state: dict, framework: str = "auto", async_save: bool = False, *,
              step: int | None = None, process_group=None, allow_pickle: bool = False, fsync: bool = True,
-             num_threads: int = 4, user_metadata: dict | None = None,
+             num_threads: int | None = None, user_metadata: dict | None = None,
              on_commit: Callable[[str], None] | None = None, snapshot: str = "lazy",
              timeout: timedelta = DEFAULT_TIMEOUT) -> SaveHandle:
         if snapshot not in SNAPSHOTS:
@@ -158,6 +158,7 @@ class Checkpointer:
             if comm.is_coordinator:
                 _invalidate(ckpt)
         self._saves += 1
+        num_threads = num_threads or min(4, cores_per_rank())
         job = SaveJob(ckpt, root, name, plan, cached, adapter.name, user_metadata or {}, num_threads, on_commit,
                       number=self._saves, error=error, recorder=rec)
         if not async_save:

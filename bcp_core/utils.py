@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import gc
 import hashlib
+import os
 
 
 def gc_paused(fn):
@@ -30,6 +31,18 @@ def gc_paused(fn):
 def digest(data) -> str:
     """A 128-bit content digest (plan cache keys, comparing values across ranks)."""
     return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def cores_per_rank() -> int:
+    """The CPU cores this process may use, shared among the ranks of its host (LOCAL_WORLD_SIZE, as
+    torchrun sets it): how many threads a rank's background work may keep busy without taking
+    cores from training."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    return max(1, cores // max(1, local))
 
 
 def this_rank(group=None) -> int:

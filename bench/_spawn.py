@@ -17,7 +17,8 @@ import torch.multiprocessing as mp
 
 
 def _worker(rank, ws, port, fn, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # as torchrun does: LOCAL_WORLD_SIZE tells bcp how many ranks share this host's cores
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(ws))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=ws, timeout=timedelta(minutes=20))
     try:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 from ..errors import StorageError
+from ..utils import cores_per_rank
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -24,7 +25,9 @@ from ..errors import StorageError
 class StorageConfig:
     """Process-wide I/O settings; change them with `configure_storage`."""
 
-    io_threads: int = min(16, max(4, os.cpu_count() or 4))  # threads per chunked read/write
+    # threads per chunked read/write; None: this rank's share of the host's cores, at most 16, read when
+    # used (more would only take cores from training); remote requests use at least REMOTE_THREADS
+    io_threads: int | None = None
     chunk_bytes: int = 16 << 20        # ranged reads and local pwrite/pread are split into chunks this big
     part_bytes: int = 16 << 20         # object-store upload part (S3 needs >= 5 MiB for all but the last)
     max_inflight_parts: int = 4        # parts buffered per file being uploaded (bounds memory)
@@ -69,13 +72,20 @@ def set_storage_options(scheme: str, **options: Any) -> None:
 # uploaded). Idle threads left to the interpreter's shutdown were seen to make gloo's worker threads
 # abort the process at exit (a collective's teardown then runs while Python is finalizing).
 
-def run_all(tasks: list[Callable[[], None]]) -> None:
-    """Run tasks on up to CONFIG.io_threads threads and wait for all; re-raise the first error after
-    every task ended."""
+REMOTE_THREADS = 4
+
+
+def io_threads() -> int:
+    return CONFIG.io_threads or min(16, cores_per_rank())
+
+
+def run_all(tasks: list[Callable[[], None]], threads: int | None = None) -> None:
+    """Run tasks on up to `threads` (io_threads()) threads and wait for all; re-raise the first
+    error after every task ended."""
     if len(tasks) == 1:
         tasks[0]()
         return
-    with ThreadPoolExecutor(min(len(tasks), CONFIG.io_threads), thread_name_prefix="bcp-io") as pool:
+    with ThreadPoolExecutor(min(len(tasks), threads or io_threads()), thread_name_prefix="bcp-io") as pool:
         futures = [pool.submit(t) for t in tasks]
         errors = [f.exception() for f in futures]
     for e in errors:

@@ -16,7 +16,8 @@ from typing import Any
 from ..errors import StorageError, StorageFileNotFoundError
 from ..extras import require
 from ..utils import this_rank
-from .base import CONFIG, FS_OPTIONS, FileWriter, Storage, chunks, register_storage, run_all, scheme_of
+from .base import (CONFIG, FS_OPTIONS, REMOTE_THREADS, FileWriter, Storage, chunks, io_threads, register_storage,
+                   run_all, scheme_of)
 from .retry import with_retries
 
 log = logging.getLogger("bcp")
@@ -299,7 +300,8 @@ class FsspecStorage(Storage):
             out[lo:hi] = data
 
         # One ranged request per chunk, in parallel: a single stream is far below an object store's bandwidth.
-        run_all([lambda lo=lo, hi=hi: fetch(lo, hi) for lo, hi in chunks(len(out))])
+        run_all([lambda lo=lo, hi=hi: fetch(lo, hi) for lo, hi in chunks(len(out))],
+                max(REMOTE_THREADS, io_threads()))
 
     def size(self, relpath: str) -> int:
         self._invalidate(self._p(relpath))

@@ -29,7 +29,7 @@ class BCPAccelerateCheckpointer:
     step hooks of its own).
     """
 
-    def __init__(self, accelerator: Accelerator, async_save: bool = True, num_threads: int = 4,
+    def __init__(self, accelerator: Accelerator, async_save: bool = True, num_threads: int | None = None,
                  preemption: bool = False):
         self.accelerator = accelerator
         self.async_save = async_save
@@ -133,7 +133,7 @@ class BCPAccelerateCheckpointer:
         models.clear()
 
 
-def register(accelerator: Accelerator, async_save: bool = True, num_threads: int = 4,
+def register(accelerator: Accelerator, async_save: bool = True, num_threads: int | None = None,
              preemption: bool = False) -> BCPAccelerateCheckpointer:
     """Make ``accelerator.save_state(dir)`` / ``load_state(dir)`` go through bcp on every rank.
 

@@ -61,7 +61,7 @@ class BCPCallback(TrainerCallback):
     is committed.
     """
 
-    def __init__(self, async_save: bool = True, num_threads: int = 4, preemption: bool = False):
+    def __init__(self, async_save: bool = True, num_threads: int | None = None, preemption: bool = False):
         self.async_save = async_save
         self.num_threads = num_threads
         self.preemption: bcp.Preemption | None = bcp.handle_preemption() if preemption else None

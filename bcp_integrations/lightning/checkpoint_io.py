@@ -58,7 +58,7 @@ class BCPCheckpointIO(CheckpointIO):
     """
 
     def __init__(self, async_save: bool = True, allow_pickle: bool = False, save_rng: bool = True,
-                 num_threads: int = 4, preemption: bool = False):
+                 num_threads: int | None = None, preemption: bool = False):
         self.async_save = async_save
         self.allow_pickle = allow_pickle
         self.save_rng = save_rng

@@ -38,7 +38,7 @@ class BcpSaveShardedStrategy(AsyncSaveShardedStrategy):
     """
 
     def __init__(self, backend: str = BACKEND, version: int = VERSION, *, allow_pickle: bool = False,
-                 num_threads: int = 4, process_group=None, timeout: timedelta = DEFAULT_TIMEOUT):
+                 num_threads: int | None = None, process_group=None, timeout: timedelta = DEFAULT_TIMEOUT):
         super().__init__(backend, version)
         self.allow_pickle = allow_pickle
         self.num_threads = num_threads
