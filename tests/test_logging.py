@@ -14,7 +14,7 @@ import torch
 import bcp_core as bcp
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CLI_PARTS = ("bcp_core/tools/", "bcp_core/cli.py", "bcp_core/report.py", "bcp_core/__main__.py")
+CLI_PARTS = ("bcp_core/tools/", "bcp_core/__main__.py")
 
 
 def _library_sources():

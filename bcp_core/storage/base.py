@@ -68,7 +68,7 @@ def set_storage_options(scheme: str, **options: Any) -> None:
 
 # ----------------------------------------------------------------------------- I/O threads
 #
-# Threads live only as long as the operation that needs them (one call of _run_all, one file being
+# Threads live only as long as the operation that needs them (one call of run_all, one file being
 # uploaded). Idle threads left to the interpreter's shutdown were seen to make gloo's worker threads
 # abort the process at exit (a collective's teardown then runs while Python is finalizing).
 

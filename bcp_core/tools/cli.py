@@ -156,15 +156,14 @@ def _print_json(obj) -> None:
 
 def run(args: argparse.Namespace) -> int:
     progress = not args.quiet and not args.json
-    out = _print_json if args.json else None
     if args.command == "inspect":
         rep = inspect.inspect_checkpoint(args.path)
-        _print_json(rep) if out else print(inspect.format_inspect(rep, args.pieces))
+        _print_json(rep) if args.json else print(inspect.format_inspect(rep, args.pieces))
         return 0
     if args.command == "verify":
         rep = verify.verify_checkpoint(args.path, args.threads, progress=progress)
-        if out:
-            out(rep)
+        if args.json:
+            _print_json(rep)
         else:
             for f in rep["faults"]:
                 print(f"{'WARNING' if f['kind'] == 'stray-file' else 'FAULT'} [{f['kind']}] {f['where']}: "
@@ -178,13 +177,13 @@ def run(args: argparse.Namespace) -> int:
         rep = convert.export_checkpoint(args.path, args.out, args.to, args.model_only or None, args.dtype,
                                         args.rename, args.shard_size, args.config, args.allow_pickle, args.threads,
                                         progress)
-        _print_json(rep) if out else print(
+        _print_json(rep) if args.json else print(
             f"exported {rep['tensors']} tensors ({human_bytes(rep['bytes'])}) to {rep['out']}: "
             + ", ".join(rep["files"][:6]) + (" ..." if len(rep["files"]) > 6 else ""))
         return 0
     if args.command == "import":
         rep = convert.import_checkpoint(args.src, args.out, args.source, args.prefix, args.allow_pickle, args.rename)
-        _print_json(rep) if out else print(
+        _print_json(rep) if args.json else print(
             f"imported {rep['tensors']} tensors ({human_bytes(rep['bytes'])}) and {rep['values']} "
             f"values into {rep['out']}")
         return 0
@@ -192,8 +191,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.rule:
             raise ToolError("give at least one --rule 'REGEX=REPL'")
         changed = rename.rename_checkpoint(args.path, args.rule, args.dry_run)
-        if out:
-            out({"renamed": changed, "dry_run": args.dry_run})
+        if args.json:
+            _print_json({"renamed": changed, "dry_run": args.dry_run})
             return 0
         for old, new in changed.items():
             print(f"{old} -> {new}")
@@ -201,8 +200,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "ls":
         ckpts = manage.list_checkpoints(args.root)
-        if out:
-            out(ckpts)
+        if args.json:
+            _print_json(ckpts)
             return 0
         for c in ckpts:
             state = "complete" if c["complete"] else "INCOMPLETE (never committed)"
@@ -213,20 +212,20 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "latest":
         path = manage.latest_checkpoint(args.root)
-        _print_json({"path": path}) if out else print(path)
+        _print_json({"path": path}) if args.json else print(path)
         return 0
     if args.command == "prune":
         rep = manage.prune_checkpoints(args.root, args.keep_last, args.keep_every, args.dry_run)
         verb = "would remove" if args.dry_run else "removed"
-        _print_json(rep) if out else print(
+        _print_json(rep) if args.json else print(
             f"{verb}: {', '.join(rep['removed']) or 'nothing'}; kept: {', '.join(rep['kept']) or 'nothing'}")
         return 0
     if args.command == "report":
         from . import report
         rep = report.build(*report.read_records(args.path), op=args.op)
         files = None if args.text else report.write(rep, args.out, args.rank)
-        if out:
-            out({"source": rep.source, "op": rep.op, "ranks": rep.ranks, "phases": rep.phases,
+        if args.json:
+            _print_json({"source": rep.source, "op": rep.op, "ranks": rep.ranks, "phases": rep.phases,
                  "slowest_rank": max(rep.ranks, key=rep.rank_time),
                  "busy_s": {f"{r}/{p}": t for (r, p), t in sorted(rep.busy.items())},
                  "files": list(files) if files else []})
