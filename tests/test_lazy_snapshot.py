@@ -4,12 +4,17 @@ For DDP, FSDP2, TP and FSDP1 states on 2 gloo ranks, each case takes a synchrono
 reference: it writes the live state as of the call), then an asynchronous one, then at once
 changes the state the way training does: an optimizer step, an in-place edit inside
 `bcp.mutating()`, gradient accumulation with `zero_grad(set_to_none=True)`, a second save, a step
-given a closure (as Lightning calls it). The two checkpoints must be bit-identical. A probe
-optimizer pre-hook, registered before bcp's, records that the first step really arrived while
-the copy was still running.
+given a closure (as Lightning calls it). The two checkpoints must be bit-identical.
+
+For the first case the race is forced, not left to timing: the background copy threads wait at a
+gate that a probe optimizer pre-hook (registered before bcp's guard) opens, so the step always
+arrives while nothing has been copied yet, and only bcp's guard stands between it and the saved
+values.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -52,17 +57,37 @@ def _same_checkpoints(a: str, b: str) -> list[str]:
     return [k for k in ta if not torch.equal(ta[k], tb[k])]
 
 
+def _gate_background_copies(staging) -> threading.Event:
+    """Copies made off the main thread (the copy thread, the writer) wait until the gate opens;
+    the main thread's finishers (the step guard, `mutating()`) copy at once."""
+    gate = threading.Event()
+    gate.set()
+    copy_all = staging.LazyCopy._copy_all
+
+    def gated(self):
+        if threading.current_thread() is not threading.main_thread():
+            assert gate.wait(60), "the copy gate was never opened"
+        copy_all(self)
+    staging.LazyCopy._copy_all = gated
+    return gate
+
+
 def _cases(rank, world_size, root):
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     from bcp_core import staging
+    gate = _gate_background_copies(staging)
     in_flight: list[bool] = []
-    # registered before bcp's guard (bcp registers it at its first lazy save): sees the copy running
-    register_optimizer_step_pre_hook(lambda *_: in_flight.append(bool(staging._IN_FLIGHT)))
+
+    def probe(*_):
+        in_flight.append(bool(staging._IN_FLIGHT))
+        gate.set()
+    # registered before bcp's guard (bcp registers it at its first lazy save), so it runs first
+    register_optimizer_step_pre_hook(probe)
     out = {}
     for layout in LAYOUTS:
         model, optim = _build(layout)
-        # bulk that takes the copy thread a few milliseconds: the step after the call comes first
+        # a second module and optimizer of some bulk, stepped alongside
         big = nn.Linear(1024, 1024)
         big_optim = torch.optim.Adam(big.parameters(), lr=1e-3)
         train(model, optim, range(1))
@@ -80,8 +105,10 @@ def _cases(rank, world_size, root):
             h.wait()
             differ[name] = _same_checkpoints(f"{base}/{name}", f"{base}/{name}_ref")
 
-        # 1. the optimizer steps right after the call (gradients are there from the last step)
+        # 1. the optimizer steps right after the call (gradients are there from the last step),
+        #    while no copy has been made: the background copies wait for the step to begin
         steps_before = len(in_flight)
+        gate.clear()
         pair("step", lambda: (big_optim.step(), optim.step()))
         out[f"{layout}_in_flight_at_step"] = in_flight[steps_before]
 
@@ -132,5 +159,5 @@ def test_async_saves_hold_the_values_of_their_call_whatever_training_does_next(t
     for r in results:
         for layout in LAYOUTS:
             assert r[f"{layout}_differ"] == {}, (layout, r[f"{layout}_differ"])
-        # the race the guard is for did happen: the step began while the copy was still running
-        assert any(r[f"{layout}_in_flight_at_step"] for layout in LAYOUTS), r
+        # the race the guard is for did happen: the step began with the copies still to make
+        assert all(r[f"{layout}_in_flight_at_step"] for layout in LAYOUTS), r
