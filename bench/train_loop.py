@@ -10,8 +10,12 @@ previous one (k is chosen so one write fits in k steps). Per system, in fresh pr
 alternated `--repeat` times (best run kept):
 
 - none: no checkpoints (the reference step time);
+- floor: a bare thread that copies the shards into reused buffers and writes them with direct I/O
+  (what any asynchronous checkpoint costs on this machine at least);
 - bcp_lazy: `bcp.save(async_save=True)` (snapshot="lazy", the default: parameters and optimizer
   state are copied while forward and backward run; the optimizer step waits if it comes first);
+- bcp_prepared: bcp_lazy after `bcp.prepare_save(state)` (planned, staging faulted in before the
+  timed steps: the first save then costs what later ones do);
 - bcp_copy: `bcp.save(async_save=True, snapshot="copy")` (everything copied before returning);
 - dcp: `torch.distributed.checkpoint.async_save` of `get_model_state_dict` / `get_optimizer_state_dict`
   (what torchtitan does).
@@ -40,7 +44,7 @@ from torch import nn
 
 from _spawn import run_ranks  # bench/_spawn.py
 
-SYSTEMS = ("none", "floor", "bcp_lazy", "bcp_copy", "dcp")
+SYSTEMS = ("none", "floor", "bcp_lazy", "bcp_prepared", "bcp_copy", "dcp")
 
 
 def _model(hidden: int, layers: int):
@@ -65,8 +69,10 @@ def _saver(system: str, root: str, model, optim):
     """A function that starts one asynchronous save of step k and returns its waiter."""
     if system.startswith("bcp"):
         import bcp_core as bcp
-        snapshot = "lazy" if system == "bcp_lazy" else "copy"
+        snapshot = "copy" if system == "bcp_copy" else "lazy"
         state = {"model": model, "optimizer": optim}
+        if system == "bcp_prepared":  # planned and staging faulted in before the timed steps
+            bcp.prepare_save(state).result()
         return lambda k: bcp.save(os.path.join(root, system), state, step=k, async_save=True,
                                   snapshot=snapshot).wait
     if system == "floor":
@@ -86,16 +92,20 @@ def _saver(system: str, root: str, model, optim):
 
 def _floor_saver(root: str, model, optim):
     """What any asynchronous checkpoint costs here at least: a thread copies this rank's shards into
-    reused buffers, writes them into one new file and fsyncs it (no planning, no format, no commit)."""
+    reused page-aligned buffers and writes them, as they are, into one new file around the page
+    cache (O_DIRECT, as bcp writes), then fsyncs it. No planning, no format, no checksums, no commit."""
+    import mmap
     import threading
 
     def local(t):
         return t.to_local() if hasattr(t, "to_local") else t
     tensors = [local(p) for p in model.parameters()]
     tensors += [local(v) for st in optim.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()]
-    bufs = [torch.empty_like(t) for t in tensors]
+    sizes = [-(-t.numel() * t.element_size() // 4096) * 4096 for t in tensors]
+    maps = [mmap.mmap(-1, n) for n in sizes]  # page-aligned, faulted in once (as reused staging is)
+    bufs = [torch.frombuffer(m, dtype=t.dtype, count=t.numel()).view(t.shape) for m, t in zip(maps, tensors)]
     for b in bufs:
-        b.zero_()  # faulted in once, as reused staging is
+        b.zero_()
     os.makedirs(root, exist_ok=True)
 
     def save(k):
@@ -103,10 +113,11 @@ def _floor_saver(root: str, model, optim):
             for b, t in zip(bufs, tensors):
                 b.copy_(t)
             path = os.path.join(root, f"step_{k}_rank{dist.get_rank()}")
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
             try:
-                for b in bufs:
-                    os.write(fd, b.view(-1).view(torch.uint8).numpy())
+                pos = 0
+                for m in maps:
+                    pos += os.pwrite(fd, m, pos)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -122,14 +133,20 @@ def _job(system: str, root: str, hidden: int, layers: int, batch: int, steps: in
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(batch, hidden, generator=gen)
 
+    phases: list[tuple[float, float]] = []  # per step: forward+backward, optimizer step
+
     def step():
+        t0 = time.perf_counter()
         loss = model(x).square().mean()
         optim.zero_grad(set_to_none=True)
         loss.backward()
+        t1 = time.perf_counter()
         optim.step()
+        phases.append((t1 - t0, time.perf_counter() - t1))
 
     for _ in range(3):  # warm-up: optimizer state exists, allocator settled
         step()
+    phases.clear()
     save = _saver(system, root, model, optim) if system != "none" else None
     waiter, times, waits, calls = None, [], [], []
     dist.barrier()
@@ -159,6 +176,13 @@ def _job(system: str, root: str, hidden: int, layers: int, batch: int, steps: in
         out["first_ckpt_step_s"] = times[ckpt[0]]
         out["later_ckpt_step_s"] = sum(times[s] for s in ckpt[1:]) / max(1, len(ckpt) - 1)
         out["after_ckpt_step_s"] = sum(times[s + 1] for s in ckpt if s + 1 < steps) / len(ckpt)
+        # where a checkpoint step's time goes: forward+backward, then the optimizer step (which
+        # waits for lazy copies still to make), each over the mean of normal steps
+        fb, op = (_max_all([p[i] for p in phases]) for i in (0, 1))
+        out["ckpt_phases_over_normal"] = [
+            (round(fb[s] / (sum(fb[n] for n in range(steps) if n not in ckpt) / (steps - len(ckpt))), 2),
+             round(op[s] / (sum(op[n] for n in range(steps) if n not in ckpt) / (steps - len(ckpt))), 2))
+            for s in ckpt]
     return out
 
 
@@ -204,7 +228,8 @@ def main() -> int:
                     "later_ckpt_step_s": round(r["later_ckpt_step_s"], 4),
                     # where a checkpoint step's time goes: waiting for the previous save, the save call
                     "wait_previous_s": [round(x, 3) for x in r["wait_s"]],
-                    "save_call_s": [round(x, 3) for x in r["call_s"]]}
+                    "save_call_s": [round(x, 3) for x in r["call_s"]],
+                    "ckpt_fwd_bwd_and_optim_step_over_normal": r["ckpt_phases_over_normal"]}
         row["runs_total_s"] = [round(x["total_s"], 3) for x in runs[s]]
         table[s] = row
     if {"bcp_lazy", "dcp"} <= best.keys():

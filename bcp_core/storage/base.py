@@ -29,6 +29,7 @@ class StorageConfig:
     # used (more would only take cores from training); remote requests use at least REMOTE_THREADS
     io_threads: int | None = None
     chunk_bytes: int = 16 << 20        # ranged reads and local pwrite/pread are split into chunks this big
+    direct_io: bool = True             # durable local files are written around the page cache (O_DIRECT)
     part_bytes: int = 16 << 20         # object-store upload part (S3 needs >= 5 MiB for all but the last)
     max_inflight_parts: int = 4        # parts buffered per file being uploaded (bounds memory)
     retry_attempts: int = 5            # attempts per request, the first one included
@@ -47,6 +48,11 @@ def configure_storage(**changes: Any) -> StorageConfig:
         if k not in known:
             raise ValueError(f"unknown storage setting {k!r}; known: {sorted(known)}")
         if v is None:
+            continue
+        if k == "direct_io":
+            if not isinstance(v, bool):
+                raise ValueError(f"storage setting direct_io={v!r} must be True or False")
+            setattr(CONFIG, k, v)
             continue
         lowest = 0 if k in ("retry_base_delay", "retry_max_delay") else 1
         if not isinstance(v, (int, float)) or v < lowest:

@@ -2,17 +2,27 @@
 
 Large writes and reads are split into chunks done by parallel `pwrite`/`pread` threads, which
 release the GIL.
+
+Durable writes go around the page cache (O_DIRECT, where the OS and filesystem allow it): the
+bytes pass through a few reused page-aligned buffers straight to the device. A buffered write
+must first get, fill and later write back a page-cache page per 4 KiB; that kernel work runs on
+the cores training uses, and a checkpoint read by no one fills memory that training needs.
+`configure_storage(direct_io=False)` keeps every write buffered.
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import shutil
+import threading
+
+import numpy as np
 
 from ..errors import StorageError
 from ..utils import this_rank
-from .base import FileWriter, Storage, chunks, register_storage, run_all
+from .base import CONFIG, FileWriter, Storage, chunks, io_threads, register_storage, run_all
 
 
 # ----------------------------------------------------------------------------- local / POSIX
@@ -33,22 +43,140 @@ def _pread_all(fd: int, out: memoryview, pos: int, path: str) -> None:
         got += n
 
 
+# O_DIRECT needs the buffer address, the file offset and the length aligned to the device's
+# logical block: 512 B or 4 KiB on the devices and filesystems in use.
+ALIGN = 4096
+
+
+class _AlignedBuffers:
+    """Page-aligned buffers (anonymous maps) of `chunk_bytes`, reused from one write to the next:
+    their pages are faulted in once per process, not once per checkpoint."""
+
+    def __init__(self):
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def size() -> int:
+        return -(-CONFIG.chunk_bytes // ALIGN) * ALIGN
+
+    def get(self) -> mmap.mmap:
+        with self._lock:
+            while self._free:
+                buf = self._free.pop()
+                if len(buf) == self.size():
+                    return buf
+                buf.close()
+        return mmap.mmap(-1, self.size())
+
+    def put(self, buf: mmap.mmap) -> None:
+        with self._lock:
+            if len(self._free) < io_threads() and len(buf) == self.size():
+                self._free.append(buf)
+                return
+        buf.close()
+
+
+_ALIGNED = _AlignedBuffers()
+
+
+def _copy(dst: np.ndarray, src) -> None:
+    """memcpy that releases the GIL (numpy does for plain byte arrays), so training threads run on."""
+    np.copyto(dst, np.frombuffer(src, dtype=np.uint8))
+
+
 class _LocalWriter(FileWriter):
+    """A file written at increasing offsets: in parallel chunks, directly to the device if it can."""
+
     def __init__(self, path: str, fsync: bool):
         self.path, self.fsync = path, fsync
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        # direct I/O for durable files only: memory:// (no fsync) lives in the page cache by design
+        self.direct = fsync and CONFIG.direct_io and hasattr(os, "O_DIRECT")
+        if self.direct:
+            try:
+                self.fd = os.open(path, flags | os.O_DIRECT, 0o644)
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # EINVAL: this filesystem has no direct I/O
+                    raise
+                self.direct = False
+        if not self.direct:
+            self.fd = os.open(path, flags, 0o644)
         self.pos = 0
+        self.tail = b""  # direct I/O: the bytes after the last aligned offset, not written yet
 
     def write(self, data: memoryview) -> None:
         data = memoryview(data).cast("B")
+        if self.direct:
+            try:
+                self._write_direct(data)
+                return
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # EINVAL: the device wants another alignment
+                    raise
+                self._stop_direct()
         pos = self.pos
-        # Big buffers go out as parallel pwrites of chunks at their offsets.
         run_all([lambda lo=lo, hi=hi: _pwrite_all(self.fd, data[lo:hi], pos + lo) for lo, hi in chunks(len(data))])
         self.pos += len(data)
 
+    def _write_direct(self, data: memoryview) -> None:
+        """Write the aligned part of (tail + data) through aligned buffers; keep the rest as tail.
+        State changes only once every chunk is written, so a failed call can be redone buffered."""
+        tail, start = self.tail, self.pos - len(self.tail)  # start is aligned
+        whole = (len(tail) + len(data)) // ALIGN * ALIGN
+        step = _ALIGNED.size()
+
+        def put(lo: int, hi: int) -> None:  # bytes [lo, hi) of tail + data
+            buf = _ALIGNED.get()
+            try:
+                out = np.frombuffer(buf, dtype=np.uint8, count=hi - lo)
+                split = max(0, min(len(tail), hi) - lo)
+                if split:
+                    _copy(out[:split], tail[lo:lo + split])
+                _copy(out[split:], data[max(0, lo - len(tail)):hi - len(tail)])
+                _pwrite_all(self.fd, memoryview(buf)[:hi - lo], start + lo)
+            finally:
+                _ALIGNED.put(buf)
+        if whole:
+            run_all([lambda lo=lo: put(lo, min(lo + step, whole)) for lo in range(0, whole, step)])
+        rest = data[max(0, whole - len(tail)):]
+        self.tail = bytes(tail[whole:]) + bytes(rest) if whole < len(tail) else bytes(rest)
+        self.pos += len(data)
+
+    def _stop_direct(self) -> None:
+        """Go on buffered: rewrite the unwritten tail through the page cache."""
+        import fcntl  # POSIX only, as O_DIRECT is
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        self.direct = False
+        _pwrite_all(self.fd, memoryview(self.tail), self.pos - len(self.tail))
+        self.tail = b""
+
+    def _finish_direct(self) -> None:
+        """The last partial block goes out padded to the alignment; the file is then cut to size."""
+        if not self.tail:
+            return
+        buf = _ALIGNED.get()
+        try:
+            n = -(-len(self.tail) // ALIGN) * ALIGN
+            buf[:len(self.tail)] = self.tail
+            buf[len(self.tail):n] = bytes(n - len(self.tail))
+            try:
+                _pwrite_all(self.fd, memoryview(buf)[:n], self.pos - len(self.tail))
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._stop_direct()
+                return
+        finally:
+            _ALIGNED.put(buf)
+        os.ftruncate(self.fd, self.pos)
+        self.tail = b""
+
     def close(self) -> None:
         try:
-            if self.fsync:
+            if self.direct:
+                self._finish_direct()
+            if self.fsync:  # direct writes too: the file's size and the device's cache
                 os.fsync(self.fd)
         finally:
             os.close(self.fd)
