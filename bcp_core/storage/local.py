@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import StorageError
 from ..utils import this_rank
-from .base import CONFIG, FileWriter, Storage, chunks, io_threads, register_storage, run_all
+from .base import CONFIG, FileWriter, Storage, chunks, register_storage, run_all
 
 
 # ----------------------------------------------------------------------------- local / POSIX
@@ -50,7 +50,10 @@ ALIGN = 4096
 
 class _AlignedBuffers:
     """Page-aligned buffers (anonymous maps) of `chunk_bytes`, reused from one write to the next:
-    their pages are faulted in once per process, not once per checkpoint."""
+    their pages are faulted in once per process, not once per checkpoint. At most `KEEP` stay
+    mapped between writes (64 MiB with the default chunk)."""
+
+    KEEP = 4
 
     def __init__(self):
         self._free: list[mmap.mmap] = []
@@ -71,7 +74,7 @@ class _AlignedBuffers:
 
     def put(self, buf: mmap.mmap) -> None:
         with self._lock:
-            if len(self._free) < io_threads() and len(buf) == self.size():
+            if len(self._free) < self.KEEP and len(buf) == self.size():
                 self._free.append(buf)
                 return
         buf.close()
