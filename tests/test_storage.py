@@ -440,6 +440,10 @@ def test_direct_io_falls_back_to_buffered_writes(tmp_path, small_io, monkeypatch
     monkeypatch.setattr(local.os, "pwrite", pwrite)
     written("einval_at_write", direct=False)
     assert fails  # direct was tried first
+    w = st.open_writer("einval_at_close")  # under one block: the only direct write is at close
+    w.write(memoryview(b"tiny"))
+    w.close()
+    assert (tmp_path / "einval_at_close").read_bytes() == b"tiny" and not w.direct
     monkeypatch.setattr(local.os, "pwrite", real_pwrite)
 
     real_open = os.open

@@ -165,15 +165,14 @@ class _LocalWriter(FileWriter):
             buf[len(self.tail):n] = bytes(n - len(self.tail))
             try:
                 _pwrite_all(self.fd, memoryview(buf)[:n], self.pos - len(self.tail))
+                self.tail = b""
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
                 self._stop_direct()
-                return
         finally:
             _ALIGNED.put(buf)
         os.ftruncate(self.fd, self.pos)
-        self.tail = b""
 
     def close(self) -> None:
         try:
