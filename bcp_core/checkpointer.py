@@ -310,7 +310,9 @@ class Checkpointer:
         job.staged = dict(zip(boxes, buffers))
         job.staged_per_rank = [(fqn, t.to("cpu", copy=True)) for fqn, t in plan.per_rank_tensors]
         if later:
-            job.lazy = LazyCopy(later, name=f"bcp-snapshot-{self.role}")
+            # local files are written fast enough to take live sources during forward and backward;
+            # a remote upload could hold the next optimizer step back for as long as a part takes
+            job.lazy = LazyCopy(later, name=f"bcp-snapshot-{self.role}", live=not job.ckpt.remote)
 
     def _pool_is_cold(self, job: SaveJob) -> bool:
         """No warm staging buffers for this plan yet: a copy would fault in fresh memory."""
@@ -384,14 +386,16 @@ class Checkpointer:
         """Write this rank's assignment: from the forked snapshot, the staged copies or the live state."""
         prefix = f"{self._token}-{job.number}-"  # the coordinator's token arrived with the first plan
         assignment = job.cached.assignment
-        if job.lazy is not None:
-            job.lazy.wait_copied()
-            rec = metrics.current()
-            if rec is not None:  # the copies ran beside training: their own phase, not the stall
-                rec.add("snapshot", job.lazy.started, job.lazy.ended, job.lazy.nbytes)
         if job.snapshot is None:
             staged = None if job.staged is None else [job.staged[tuple(tb)] for tb in assignment.boxes]
-            return _write(job, assignment, staged, job.staged_per_rank, rank, prefix)
+            report = _write(job, assignment, staged, job.staged_per_rank, rank, prefix,
+                            hold=job.lazy.hold if job.lazy is not None else None)
+            if job.lazy is not None:
+                job.lazy.retire()
+                rec = metrics.current()
+                if rec is not None and job.lazy.copied_bytes:  # copies beside training: not the stall
+                    rec.add("snapshot", job.lazy.started, job.lazy.ended, job.lazy.copied_bytes)
+            return report
         job.snapshot.send({"assignment": codec.to_wire(assignment), "prefix": prefix, "rank": rank})
         try:  # touch the staging buffers of the next save now, off the training thread
             self._pool.warm_up(pool_key(job.plan, assignment.boxes), box_sources(job.plan, assignment.boxes))
@@ -490,12 +494,14 @@ def _write_items(plan: LocalSavePlan, assignment: Assignment, staged: list[torch
     return items
 
 
-def _write(job: SaveJob, assignment: Assignment, staged, staged_per_rank, rank: int, prefix: str) -> WriteReport:
+def _write(job: SaveJob, assignment: Assignment, staged, staged_per_rank, rank: int, prefix: str,
+           hold=None) -> WriteReport:
     """Write this rank's pieces; the report the coordinator commits from (an error is reported too)."""
     plan = job.plan
     try:
         items = _write_items(plan, assignment, staged, staged_per_rank)
-        written = write_items(job.ckpt, rank, items, job.num_threads, CHECKSUM_BLOCK_BYTES, prefix=prefix)
+        written = write_items(job.ckpt, rank, items, job.num_threads, CHECKSUM_BLOCK_BYTES, prefix=prefix,
+                              hold=hold)
         per_rank = dict(plan.per_rank)
         for it in items:
             if isinstance(it.key, RankValueKey):

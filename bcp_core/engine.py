@@ -6,6 +6,7 @@ thread pool; file I/O, CRC-32 and tensor copies release the GIL.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import threading
@@ -104,22 +105,24 @@ def _split_files(items: list[WriteItem], num_files: int) -> list[list[WriteItem]
 
 
 def write_items(storage: Storage, rank: int, items: list[WriteItem], num_files: int,
-                block: int, prefix: str = "") -> list[WrittenPiece]:
+                block: int, prefix: str = "", hold=None) -> list[WrittenPiece]:
     """Write this rank's pieces into up to `num_files` files in parallel; report where each landed.
 
-    Checksums are computed on other threads while the writer threads copy bytes into the files,
-    so they cost CPU that would otherwise sit idle waiting for the device.
+    `hold(tensor)`, if given, is a context manager yielding the tensor whose bytes to write for an
+    item's tensor (a lazy snapshot's live source or its copy, staging.LazyCopy.hold); the bytes are
+    read (written and checksummed) before it exits. A piece's checksums are computed on another
+    thread while its bytes are written, so they cost CPU that would otherwise wait for the device.
     """
     if not items:
         return []
     bins = _split_files(items, num_files)
     storage.makedirs("data")
+    hold = hold or contextlib.nullcontext
     with ThreadPoolExecutor(len(bins), thread_name_prefix="bcp-checksum") as sum_pool, \
             ThreadPoolExecutor(len(bins), thread_name_prefix="bcp-write") as pool:
         checksum_blocks = metrics.bind(_checksum_blocks)
-        sums = {id(it): sum_pool.submit(checksum_blocks, tensor_bytes(it.tensor), block) for it in items}
 
-        def write_file(k: int) -> list[tuple[WriteItem, str, int, int]]:
+        def write_file(k: int) -> list[tuple[WriteItem, str, int, int, tuple[int, ...]]]:
             rel = f"data/{prefix}r{rank}_{k}.safetensors"
             header = _header(bins[k])
             writer = storage.open_writer(rel)
@@ -128,10 +131,12 @@ def write_items(storage: Storage, rank: int, items: list[WriteItem], num_files: 
                 writer.write(memoryview(header))
                 pos = len(header)
                 for it in bins[k]:
-                    data = tensor_bytes(it.tensor)
-                    with metrics.phase("write", len(data)):
-                        writer.write(data)
-                    placed.append((it, rel, pos, len(data)))
+                    with hold(it.tensor) as t:
+                        data = tensor_bytes(t)
+                        sums = sum_pool.submit(checksum_blocks, data, block)
+                        with metrics.phase("write", len(data)):
+                            writer.write(data)
+                        placed.append((it, rel, pos, len(data), tuple(sums.result())))
                     pos += len(data)
                 with metrics.phase("fsync"):  # close: flush, fsync and rename, or finish the upload
                     writer.close()
@@ -141,7 +146,7 @@ def write_items(storage: Storage, rank: int, items: list[WriteItem], num_files: 
             return placed
 
         placed = [p for ps in pool.map(metrics.bind(write_file), range(len(bins))) for p in ps]
-        return [WrittenPiece(it.key, rel, pos, n, tuple(sums[id(it)].result())) for it, rel, pos, n in placed]
+        return [WrittenPiece(it.key, rel, pos, n, sums) for it, rel, pos, n, sums in placed]
 
 
 # ----------------------------------------------------------------------------- reading

@@ -4,9 +4,10 @@ Buffers are reused from save to save, so the copy writes into memory already fau
 pinned when the source lives on an accelerator, so device-to-host copies run asynchronously.
 
 Lazy snapshots. Parameters and optimizer state change in place only in an optimizer step, never
-during forward and backward. So an asynchronous save copies them *after* the call returns, on a
-thread of its own, while training runs forward and backward (`LazyCopy`); a guard holds the next
-optimizer step back until every copy is made. The guard is a global optimizer step pre-hook
+during forward and backward. So an asynchronous save takes them *after* the call returns, while
+training runs forward and backward (`LazyCopy`): the writer reads CPU tensors straight from the
+state, a thread copies the others; a guard holds the next optimizer step back until every tensor
+is copied or written. The guard is a global optimizer step pre-hook
 (`torch.optim.optimizer.register_optimizer_step_pre_hook`), so it sees every optimizer, those of
 Lightning, Accelerate, HF and Megatron included; when the step is given a closure (Lightning), the
 guard runs after the closure's forward and backward, before the update. Everything else in the
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -77,6 +79,8 @@ class StagingPool:
                 self._key, self._slots, self._busy = key, [None, None], [False, False]
             if self._slots[0] is None and not self._busy[0]:
                 self._slots[0] = buffers
+                for b in buffers:
+                    _mark_filled(b)
 
 
 def pool_key(plan: LocalSavePlan, boxes) -> tuple:
@@ -102,69 +106,158 @@ def contiguous_cpu(t: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- lazy snapshots
 
-class LazyCopy:
-    """Copies of one save's stepped tensors (parameters, optimizer state), made after the call.
+# The states of one (buffer, source) pair of a lazy snapshot.
+PENDING, COPYING, COPIED, LIVE, DONE = range(5)
 
-    A thread of its own copies them while training goes on; `finish()` (the optimizer step guard,
-    `mutating()`, the save's writer) joins in and returns once every copy is made. CUDA sources are
-    copied on a side stream that first waits for the work queued before the save call; `finish()`
-    then only orders the caller's stream after the copies (no CPU wait), and the writer waits for
-    them with `wait_copied()`.
+# Buffers a copy has filled at least once (by id, forgotten when the buffer is freed): their pages
+# are faulted in, so copying into them again is cheap. A buffer not filled yet is better left
+# untouched while its source can be written directly.
+_FILLED: set[int] = set()
+
+
+def _mark_filled(buf: torch.Tensor) -> None:
+    if id(buf) not in _FILLED:
+        _FILLED.add(id(buf))
+        weakref.finalize(buf, _FILLED.discard, id(buf))
+
+
+def _filled(buf: torch.Tensor) -> bool:
+    return id(buf) in _FILLED
+
+
+def writable_live(buf: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether the writer can take the bytes of `src` itself instead of its copy in `buf`."""
+    return (src.device.type == "cpu" and src.is_contiguous() and src.dtype == buf.dtype
+            and tuple(src.shape) == tuple(buf.shape))
+
+
+class LazyCopy:
+    """One save's stepped tensors (parameters, optimizer state), captured after the call.
+
+    Each pair (staging buffer, live source) is either copied into its buffer or, for a CPU source
+    when `live` allows it, written by the save's writer straight from the source while it still
+    holds the values of the call (`hold`). A thread of its own copies, while training goes on, the
+    pairs whose buffers are already faulted in (or that cannot be written live); copying into fresh
+    memory beside training would cost more than writing the source directly. `finish()` (the
+    optimizer step guard, `mutating()`) copies every pair not yet taken and waits for the writes
+    from live sources in progress, so it returns once the state may change. CUDA sources are copied
+    on a side stream that first waits for the work queued before the save call; `finish()` then
+    only orders the caller's stream after the copies (no CPU wait), and the writer waits for them.
     """
 
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], name: str):
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], name: str, live: bool = False):
         self._pairs = pairs  # (staging buffer, live source)
-        self._next = 0
-        self._left = len(pairs)
-        self._lock = threading.Lock()
+        self._index = {id(buf): i for i, (buf, _) in enumerate(pairs)}
+        self._live = [live and writable_live(buf, src) for buf, src in pairs]
+        self._state = [PENDING] * len(pairs)
+        self._left = len(pairs)  # pairs not yet COPIED or DONE
+        self._closing = False  # a step is coming: no new writes from live sources
+        self._cond = threading.Condition()
         self._done = threading.Event()
         self.error: BaseException | None = None
         self.started = time.time()
         self.ended: float | None = None
         self.nbytes = sum(src.numel() * src.element_size() for _, src in pairs)
+        self.copied_bytes = 0
         cuda = [src.device for _, src in pairs if src.device.type == "cuda"]
         self._stream = torch.cuda.Stream(device=cuda[0]) if cuda else None
         if self._stream is not None:  # the copies read the values as of the call
             self._stream.wait_stream(torch.cuda.current_stream(cuda[0]))
         _track(self)
-        threading.Thread(target=self._copy_all, name=name).start()
+        if any(not lv or _filled(buf) for lv, (buf, _) in zip(self._live, pairs)):
+            threading.Thread(target=self._copy_all, args=(True,), name=name).start()
 
-    def _copy_all(self) -> None:
-        """Copy whatever no one has claimed yet (the copy thread and any finisher share the work)."""
-        while True:
-            with self._lock:
-                if self._next >= len(self._pairs):
-                    return
-                i = self._next
-                self._next += 1
-            buf, src = self._pairs[i]
-            try:
-                with torch.no_grad(), (torch.cuda.stream(self._stream) if self._stream is not None
-                                       else contextlib.nullcontext()):
-                    buf.copy_(src.detach(), non_blocking=self._stream is not None)
-            except BaseException as e:  # noqa: BLE001 - fails the save (wait_copied), never the training step
-                self.error = e
-            with self._lock:
-                self._left -= 1
-                if self._left == 0:
-                    self.ended = time.time()
-                    self._done.set()
-                    _untrack(self)
+    def _settle(self, i: int, state: int) -> None:
+        """Pair i reached a final state (COPIED or DONE); the caller holds the condition."""
+        self._state[i] = state
+        self._left -= 1
+        self._cond.notify_all()
+        if self._left == 0:
+            self.ended = time.time()
+            self._done.set()
+            _untrack(self)
+
+    def _copy(self, i: int) -> None:
+        """Copy pair i (claimed as COPYING by the caller) into its buffer."""
+        buf, src = self._pairs[i]
+        try:
+            with torch.no_grad(), (torch.cuda.stream(self._stream) if self._stream is not None
+                                   else contextlib.nullcontext()):
+                buf.copy_(src.detach(), non_blocking=self._stream is not None)
+            _mark_filled(buf)
+        except BaseException as e:  # noqa: BLE001 - fails the save (the writer), never the training step
+            self.error = e
+        with self._cond:
+            self.copied_bytes += src.numel() * src.element_size()
+            self._settle(i, COPIED)
+
+    def _copy_all(self, background: bool = False) -> None:
+        """Copy every pair no one has taken yet; in the background, only those whose buffers are
+        warm or whose sources cannot be written live (the writer takes the others)."""
+        for i, (buf, _) in enumerate(self._pairs):
+            with self._cond:
+                if self._state[i] != PENDING or (background and self._live[i] and not _filled(buf)
+                                                 and not self._closing):
+                    continue
+                self._state[i] = COPYING
+            self._copy(i)
 
     def finish(self) -> None:
-        """Return once every copy is made, helping with those not begun (or, on CUDA, once the
-        caller's stream is ordered after them)."""
+        """Return once the state may change in place: every pair copied or written (or, on CUDA,
+        the caller's stream ordered after the copies)."""
+        with self._cond:
+            self._closing = True
         self._copy_all()
         self._done.wait()
         if self._stream is not None:
             torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
 
-    def wait_copied(self) -> None:
-        """For the writer: the buffers hold the values of the call; raises SaveError if a copy failed."""
-        self._copy_all()
-        self._done.wait()
+    @contextlib.contextmanager
+    def hold(self, buf: torch.Tensor) -> Iterator[torch.Tensor]:
+        """For the writer: the tensor holding the values of the call that `buf` stands for. That is
+        the live source while no step is coming (the guard waits until the block ends), else the
+        copy in `buf`."""
+        i = self._index.get(id(buf))
+        if i is None:  # copied at the call
+            yield buf
+            return
+        with self._cond:
+            if self._state[i] == PENDING and self._live[i] and not self._closing:
+                self._state[i] = LIVE
+                live = True
+            else:
+                live = False
+                if self._state[i] == PENDING:
+                    self._state[i] = COPYING
+                    claimed = True
+                else:
+                    claimed = False
+        if live:
+            try:
+                yield self._pairs[i][1].detach()
+            finally:
+                with self._cond:
+                    self._settle(i, DONE)
+            return
+        if claimed:
+            self._copy(i)
+        with self._cond:
+            self._cond.wait_for(lambda: self._state[i] == COPIED)
+        self._raise_copy_error()
         if self._stream is not None:
             self._stream.synchronize()
+        yield buf
+
+    def retire(self) -> None:
+        """The writer is done: pairs it never asked for (boxes another rank writes) need no copy."""
+        with self._cond:
+            for i, st in enumerate(self._state):
+                if st == PENDING:
+                    self._settle(i, DONE)
+        self._done.wait()
+        self._raise_copy_error()
+
+    def _raise_copy_error(self) -> None:
         if self.error is not None:
             raise SaveError(f"copying the state for the save failed: {type(self.error).__name__}: {self.error}")
 

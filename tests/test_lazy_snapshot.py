@@ -6,14 +6,16 @@ changes the state the way training does: an optimizer step, an in-place edit ins
 `bcp.mutating()`, gradient accumulation with `zero_grad(set_to_none=True)`, a second save, a step
 given a closure (as Lightning calls it). The two checkpoints must be bit-identical.
 
-For the first case the race is forced, not left to timing: the background copy threads wait at a
-gate that a probe optimizer pre-hook (registered before bcp's guard) opens, so the step always
-arrives while nothing has been copied yet, and only bcp's guard stands between it and the saved
-values.
+The races are forced, not left to timing: the save's background threads wait at gates that a
+probe optimizer pre-hook (registered before bcp's guard) opens. So one step arrives while nothing
+has been copied or written yet, another while the writer is writing a piece straight from a live
+tensor; only bcp's guard stands between them and the saved values. A save during which no step
+comes copies nothing: the writer takes the stepped tensors from the state itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -57,31 +59,58 @@ def _same_checkpoints(a: str, b: str) -> list[str]:
     return [k for k in ta if not torch.equal(ta[k], tb[k])]
 
 
-def _gate_background_copies(staging) -> threading.Event:
-    """Copies made off the main thread (the copy thread, the writer) wait until the gate opens;
-    the main thread's finishers (the step guard, `mutating()`) copy at once."""
-    gate = threading.Event()
-    gate.set()
-    copy_all = staging.LazyCopy._copy_all
+class Gates:
+    """Hold the save's background threads at chosen points; the main thread (the step guard,
+    `mutating()`) is never held. `copy`: the copy thread; `hold`: the writer before it asks for a
+    piece; `live`: the writer while it writes a piece from a live source (`live_entered` is set
+    then). A probe optimizer pre-hook, registered before bcp's guard, opens all of them."""
 
-    def gated(self):
+    def __init__(self, staging):
+        self.copy, self.hold, self.live, self.live_entered = (threading.Event() for _ in range(4))
+        for g in (self.copy, self.hold, self.live):
+            g.set()
+        copy_all, hold = staging.LazyCopy._copy_all, staging.LazyCopy.hold
+        gates = self
+
+        def gated_copy_all(lazy, *args):
+            gates.wait(gates.copy)
+            copy_all(lazy, *args)
+
+        @contextlib.contextmanager
+        def gated_hold(lazy, buf):
+            gates.wait(gates.hold)
+            with hold(lazy, buf) as t:
+                if t is not buf:  # a live source: the step must wait until this write ends
+                    gates.live_entered.set()
+                    gates.wait(gates.live)
+                yield t
+        staging.LazyCopy._copy_all, staging.LazyCopy.hold = gated_copy_all, gated_hold
+
+    @staticmethod
+    def wait(gate: threading.Event) -> None:
         if threading.current_thread() is not threading.main_thread():
-            assert gate.wait(60), "the copy gate was never opened"
-        copy_all(self)
-    staging.LazyCopy._copy_all = gated
-    return gate
+            assert gate.wait(60), "a gate was never opened"
+
+    def open(self) -> None:
+        for g in (self.copy, self.hold, self.live):
+            g.set()
+
+
+def _copied_bytes(h) -> int:
+    """Bytes the save copied into staging after its call (its "snapshot" phase)."""
+    return sum(r["bytes"] for r in h.metrics if r.get("phase") == "snapshot")
 
 
 def _cases(rank, world_size, root):
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     from bcp_core import staging
-    gate = _gate_background_copies(staging)
+    gates = Gates(staging)
     in_flight: list[bool] = []
 
     def probe(*_):
         in_flight.append(bool(staging._IN_FLIGHT))
-        gate.set()
+        gates.open()
     # registered before bcp's guard (bcp registers it at its first lazy save), so it runs first
     register_optimizer_step_pre_hook(probe)
     out = {}
@@ -96,21 +125,42 @@ def _cases(rank, world_size, root):
         state = {"model": model, "optimizer": optim, "big": big, "big_optimizer": big_optim}
         base = f"{root}/{layout}"
         differ = {}
+        handles = {}
 
         def pair(name, then):
             """Reference (sync) save, async save, `then()` at once; the checkpoints must be equal."""
             bcp.save(f"{base}/{name}_ref", state).wait()
-            h = bcp.save(f"{base}/{name}", state, async_save=True)
+            h = handles[name] = bcp.save(f"{base}/{name}", state, async_save=True)
             then()
             h.wait()
             differ[name] = _same_checkpoints(f"{base}/{name}", f"{base}/{name}_ref")
 
+        # 0. no step during the save: the writer takes every stepped tensor from the live state,
+        #    nothing is copied (fresh staging memory stays untouched)
+        pair("no_step", lambda: None)
+        out[f"{layout}_copied_without_step"] = _copied_bytes(handles["no_step"])
+
         # 1. the optimizer steps right after the call (gradients are there from the last step),
-        #    while no copy has been made: the background copies wait for the step to begin
+        #    while nothing has been copied or written: the guard copies everything first
         steps_before = len(in_flight)
-        gate.clear()
+        gates.copy.clear()
+        gates.hold.clear()
         pair("step", lambda: (big_optim.step(), optim.step()))
         out[f"{layout}_in_flight_at_step"] = in_flight[steps_before]
+        out[f"{layout}_copied_at_step"] = _copied_bytes(handles["step"])
+
+        # 1b. the step arrives while the writer is writing a piece straight from a live tensor:
+        #     the step waits for that write, the guard copies the rest
+        def step_during_live_write():
+            assert gates.live_entered.wait(60), "the writer never wrote from a live tensor"
+            big_optim.step()
+            optim.step()
+        gates.copy.clear()
+        gates.live.clear()
+        gates.live_entered.clear()
+        steps_before = len(in_flight)
+        pair("live", step_during_live_write)
+        out[f"{layout}_in_flight_at_live_step"] = in_flight[steps_before]
 
         # 2. in-place edits outside a step, inside bcp.mutating()
         def edit():
@@ -159,5 +209,9 @@ def test_async_saves_hold_the_values_of_their_call_whatever_training_does_next(t
     for r in results:
         for layout in LAYOUTS:
             assert r[f"{layout}_differ"] == {}, (layout, r[f"{layout}_differ"])
-        # the race the guard is for did happen: the step began with the copies still to make
-        assert all(r[f"{layout}_in_flight_at_step"] for layout in LAYOUTS), r
+        for layout in LAYOUTS:
+            # the races the guard is for did happen: the step began with the copies still to
+            # make, or with a write from a live tensor in progress
+            assert r[f"{layout}_in_flight_at_step"] and r[f"{layout}_in_flight_at_live_step"], r
+            assert r[f"{layout}_copied_without_step"] == 0, r  # written straight from the state
+            assert r[f"{layout}_copied_at_step"] > 0, r
