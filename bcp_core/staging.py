@@ -242,7 +242,9 @@ class LazyCopy:
         if claimed:
             self._copy(i)
         with self._cond:
-            self._cond.wait_for(lambda: self._state[i] == COPIED)
+            self._cond.wait_for(lambda: self._state[i] in (COPIED, DONE))
+            if self._state[i] == DONE:  # each piece is asked for once; fail rather than wait forever
+                raise SaveError(f"the staged copy of piece {i} was asked for after it was written")
         self._raise_copy_error()
         if self._stream is not None:
             self._stream.synchronize()
