@@ -222,16 +222,10 @@ class LazyCopy:
             yield buf
             return
         with self._cond:
-            if self._state[i] == PENDING and self._live[i] and not self._closing:
-                self._state[i] = LIVE
-                live = True
-            else:
-                live = False
-                if self._state[i] == PENDING:
-                    self._state[i] = COPYING
-                    claimed = True
-                else:
-                    claimed = False
+            taken = self._state[i] == PENDING
+            if taken:
+                self._state[i] = LIVE if self._live[i] and not self._closing else COPYING
+            live = taken and self._state[i] == LIVE
         if live:
             try:
                 yield self._pairs[i][1].detach()
@@ -239,7 +233,7 @@ class LazyCopy:
                 with self._cond:
                     self._settle(i, DONE)
             return
-        if claimed:
+        if taken:
             self._copy(i)
         with self._cond:
             self._cond.wait_for(lambda: self._state[i] in (COPIED, DONE))
