@@ -14,9 +14,10 @@ The map of the package is docs/architecture.md.
 from . import rng
 from .api import inspect, load, mutating, prepare_save, resolve, save
 from .checkpointer import SaveHandle
-from .errors import (BCPError, ChecksumError, FormatVersionError, IncompleteCheckpointError, KeyMismatchError,
-                     MetadataError, MissingExtraError, NotACheckpointError, PickleNotAllowedError, PlanError,
-                     SaveError, ShapeMismatchError, StorageError, UnsafePathError, UnsupportedValueError)
+from .errors import (BCPError, ChecksumError, CommitCallbackError, CommTimeoutError, FormatVersionError,
+                     IncompleteCheckpointError, KeyMismatchError, MetadataError, MissingExtraError, NotACheckpointError,
+                     PickleNotAllowedError, PlanError, PreviousSaveError, SaveError, ShapeMismatchError, StorageError,
+                     UnsafePathError, UnsupportedValueError)
 from .loader import LoadResult
 from .metadata import FORMAT_VERSION, CheckpointMetadata, Piece, TensorMeta
 from .preemption import Preemption, handle_preemption
@@ -28,7 +29,8 @@ __all__ = [
     "save", "prepare_save", "load", "inspect", "resolve", "mutating", "rng", "handle_preemption", "Preemption",
     "SaveHandle", "LoadResult", "CheckpointMetadata", "TensorMeta", "Piece", "FORMAT_VERSION",
     "Storage", "LocalStorage", "register_storage", "storage_for",
-    "BCPError", "ChecksumError", "FormatVersionError", "IncompleteCheckpointError", "KeyMismatchError",
-    "MetadataError", "MissingExtraError", "NotACheckpointError", "PickleNotAllowedError", "PlanError", "SaveError",
-    "ShapeMismatchError", "StorageError", "UnsafePathError", "UnsupportedValueError",
+    "BCPError", "ChecksumError", "CommitCallbackError", "CommTimeoutError", "FormatVersionError",
+    "IncompleteCheckpointError", "KeyMismatchError", "MetadataError", "MissingExtraError", "NotACheckpointError",
+    "PickleNotAllowedError", "PlanError", "PreviousSaveError", "SaveError", "ShapeMismatchError", "StorageError",
+    "UnsafePathError", "UnsupportedValueError",
 ]

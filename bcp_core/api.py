@@ -24,12 +24,15 @@ from .storage import Storage
 def save(path: str | os.PathLike, state: dict, framework: str = "auto", async_save: bool = False, *,
          step: int | None = None, role: str = "default", process_group=None, allow_pickle: bool = False,
          fsync: bool = True, num_threads: int | None = None, user_metadata: dict | None = None,
-         on_commit: Callable[[str], None] | None = None, snapshot: str = "lazy",
+         on_commit: Callable[[str], None] | None = None, snapshot: str = "lazy", keep: int | None = None,
          timeout: timedelta = DEFAULT_TIMEOUT) -> SaveHandle:
     """Save `state` from every rank into the checkpoint at `path`. Collective: call on all ranks.
 
     With `step`, `path` is a root: the checkpoint goes to `path/step_<step>` and the root's `latest`
-    tracker points at it once committed. Without, `path` is the checkpoint directory itself.
+    tracker points at it once committed. Without, `path` is the checkpoint directory itself. With
+    `keep=K` (and a step), once this checkpoint is committed only the newest K complete ones of the
+    root are kept; nothing is deleted before that commit, so a failed save leaves the previous one
+    loadable. After each commit to a root, leftovers of failed saves older than it are removed.
 
     With `async_save=True` the call returns at once; writing and committing continue in the
     background. What the checkpoint holds is the state as of the call (`snapshot`):
@@ -47,9 +50,12 @@ def save(path: str | os.PathLike, state: dict, framework: str = "auto", async_sa
       copied by the kernel then (README, "Speed").
 
     `handle.wait()` blocks until the
-    checkpoint is durable and committed; a background failure is raised by `wait()` and, at the
-    latest, by the next `save` of the same `role`. `on_commit(path)` runs on every rank once the
-    checkpoint is committed. Each `role` (e.g. "actor", "critic") has its own plan cache, staging
+    checkpoint is durable and committed. A save that fails on any rank is committed by none and
+    raises on every rank, naming the failing rank: from `wait()`, and if no `wait()` raised it,
+    from the next `save` of the same `role` (`PreviousSaveError`, raised once that next save is
+    under way: saves never drift apart between ranks). `on_commit(path)` runs on every rank once
+    the checkpoint is committed (an exception it raises is `wait()`'s `CommitCallbackError`; the
+    checkpoint stays committed). Every wait is bounded by `timeout`. Each `role` (e.g. "actor", "critic") has its own plan cache, staging
     buffers and queue. A second save whose structure is unchanged reuses the cached plan and
     performs no planning collective. `num_threads`: files this rank writes at once (default: its
     share of the host's cores, at most 4, so that background writes leave training its cores).
@@ -57,7 +63,7 @@ def save(path: str | os.PathLike, state: dict, framework: str = "auto", async_sa
     return get_checkpointer(role).save(
         path, state, framework, async_save, step=step, process_group=process_group, allow_pickle=allow_pickle,
         fsync=fsync, num_threads=num_threads, user_metadata=user_metadata, on_commit=on_commit,
-        snapshot=snapshot, timeout=timeout)
+        snapshot=snapshot, keep=keep, timeout=timeout)
 
 
 def prepare_save(state: dict, framework: str = "auto", async_save: bool = True, *, role: str = "default",

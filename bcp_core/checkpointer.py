@@ -1,20 +1,31 @@
 """The save driver: plan (cached) -> stage -> write -> commit, synchronous or in the background.
 
     plan = local_save_plan(flatten(state))          # every save: what this rank holds
-    cached = plan cache [plan.key] or _plan(...)    # PlanRequest -> coordinator -> PlanReply
-    stage(plan, assignment)                         # async saves: copy into staging (the stall)
+    cached = plan cache [plan.key]                  # this rank's guess; the job agrees below
+    stage(plan, cached)                             # async saves: copy into staging (the stall)
     ---- the caller returns here for async saves; the rest runs on the role's save thread ----
+    agree: PlanRequest -> coordinator -> UseCachedPlan | PlanReply (| ResendStructure, re-plan)
     report = write(plan, assignment)                # engine: data files, checksums, fsync
-    commit: gather WriteReports -> build_metadata -> metadata file, tracker -> CommitStatus
+    commit: gather WriteReports -> build_metadata -> metadata file, tracker -> Committed | SaveFailed
 
 One `Checkpointer` per role (e.g. actor / critic / reference in RL post-training) owns its plan
-cache, staging pool, save queue and store-based comms, so several can live in one process.
+cache, staging pool and save queue, so several can live in one process.
 
-Ordering rule that keeps ranks in lock-step without extra barriers: every collective of a role
-runs either on the caller's thread while nothing is in flight (planning), or on the role's
-background save threads, which run one at a time in submission order (commits). A cache hit
-needs no planning collective, so an asynchronous save of an unchanged structure only copies into
-a staging buffer and queues its commit; a cache miss first drains the queue.
+One save, one identity. Every call of `save` (and `prepare_save`) on every rank takes part in the
+role's collective operations, even when it failed on this rank before anything was sent (its
+error then travels with its messages, so every rank fails that save alike): so the k-th save of
+a role is the k-th on every rank, and its messages are named after it (`s<k>/plan`,
+`s<k>/commit`) and carry its `SaveId` (number, step, path), which the coordinator checks. A rank
+never pairs one save's report with another's, whatever failed before.
+
+Whether to reuse a cached plan is agreed, not decided by each rank alone: every save opens with
+one exchange in which each rank names the cached plan it would reuse (or sends its structure);
+the coordinator answers "use it" only if every rank holds the same plan for its current
+structure, and otherwise plans again, within what each rank staged.
+
+Ordering rule: the operations of a role run either on the caller's thread while nothing is in
+flight (synchronous saves, `prepare_save`), or on the role's background save threads, which run
+one at a time in submission order; so they run in the same order on every rank.
 """
 
 from __future__ import annotations
@@ -28,22 +39,24 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
 
 from . import codec, metrics
 from .adapters import resolve_framework
-from .comm import DEFAULT_TIMEOUT, Comm
+from .comm import DEFAULT_TIMEOUT, Comm, comm_for
 from .engine import WriteItem, write_items
-from .errors import BCPError, CommTimeoutError, MetadataError, SaveError
+from .errors import BCPError, CommitCallbackError, CommTimeoutError, MetadataError, PreviousSaveError, SaveError
 from .flatten import save_leaves
 from .layout import BCP_STEPS, write_tracker
 from .metadata import CHECKSUM_BLOCK_BYTES, METADATA_FILE, dtype_name
-from .save_planner import (Assignment, CommitStatus, GlobalSavePlan, LocalSavePlan, ObjectShardKey, PlanReply,
-                           PlanRequest, RankValueKey, TensorBoxKey, WriteReport, build_metadata, failed_report,
-                           global_save_plan, local_save_plan, plan_replies)
+from .save_planner import (Assignment, Committed, GlobalSavePlan, LocalSavePlan, ObjectShardKey, PlanReply,
+                           PlanRequest, RankValueKey, ResendStructure, SaveFailed, SaveId, TensorBoxKey,
+                           UseCachedPlan, WriteReport, build_metadata, failed_report, global_save_plan,
+                           local_save_plan, plan_replies)
 from .snapshot import ForkSnapshot, can_fork
 from .staging import LazyCopy, StagingPool, box_sources, contiguous_cpu, pool_key
 from .storage import Storage, storage_for
@@ -56,6 +69,9 @@ PLAN_CACHE_SIZE = 4
 # returns, until the next optimizer step (staging.py); "copy" copies everything before returning;
 # "fork" snapshots a first save by forking (snapshot.py).
 SNAPSHOTS = ("lazy", "copy", "fork")
+# Files the node leaders of a multi-node job write at its first save to a root, to check that
+# every node sees what the others wrote.
+PROBE_FILE = ".bcp-probe-n{}"
 
 
 class SaveHandle:
@@ -71,7 +87,9 @@ class SaveHandle:
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> str:
-        """Block until committed; re-raise the save's error if it failed. Returns the checkpoint path."""
+        """Block until committed; re-raise the save's error if it failed. Returns the checkpoint path.
+
+        `CommitCallbackError`: the checkpoint was committed but `on_commit` raised on this rank."""
         try:
             self._future.result(timeout)
         except BCPError:
@@ -87,32 +105,41 @@ class SaveHandle:
 
 @dataclass
 class CachedPlan:
-    assignment: Assignment                # this rank's
+    """A plan every rank agreed on: this rank's assignment and the plan's id (the same on every rank)."""
+    assignment: Assignment
+    plan_id: str
     gplan: GlobalSavePlan | None = None   # coordinator only
     rank_keys: list[str] = field(default_factory=list)  # coordinator only: each rank's structure key
 
 
 @dataclass
 class SaveJob:
-    """Everything a save's write + commit needs, detached from the live state."""
+    """Everything a save's agreement, write and commit need, detached from the live state."""
 
-    ckpt: Storage
-    root: Storage
-    tracker_name: str
-    plan: LocalSavePlan | None
-    cached: CachedPlan | None
-    framework: str
-    user_metadata: dict
-    num_threads: int
-    on_commit: Callable[[str], None] | None
-    number: int = 0                              # this checkpointer's save count (same on every rank)
-    error: str | None = None                     # this rank's local planning error, sent to the coordinator
+    save: SaveId
+    timeout: timedelta
+    what: str                                    # how messages name this save ("save to PATH")
+    ckpt: Storage | None = None
+    root: Storage | None = None
+    tracker_name: str = ""
+    plan: LocalSavePlan | None = None
+    cached: CachedPlan | None = None             # the cached plan this rank would reuse
+    agreed: CachedPlan | None = None             # the plan every rank agreed on
+    framework: str = ""
+    user_metadata: dict = field(default_factory=dict)
+    num_threads: int = 1
+    on_commit: Callable[[str], None] | None = None
+    keep: int | None = None                      # keep this many newest checkpoints of the root
+    probe: bool = False                          # first save of a multi-node job to this root
+    error: str | None = None                     # this rank's error before anything was sent
     recorder: metrics.Recorder | None = None     # this rank's phase timings
     slot: tuple | None = None                    # staging pool slot held until written
     snapshot: ForkSnapshot | None = None         # snapshot='fork': the process holding the state
     staged: dict | None = None                   # (ti, bi) -> staged copy (async saves)
     staged_per_rank: list | None = None
+    writable: set | None = None                  # boxes this rank staged, if not all it holds
     lazy: LazyCopy | None = None                 # the staged copies still being made (lazy snapshot)
+    step_phase: str = "queued"                   # where the job is, for messages at exit
 
 
 class Checkpointer:
@@ -121,15 +148,17 @@ class Checkpointer:
     def __init__(self, role: str = "default"):
         self.role = role
         self._plans: OrderedDict[str, CachedPlan] = OrderedDict()
+        self._plans_lock = threading.Lock()  # the caller looks plans up while a save thread adds them
         self._pool = StagingPool()
         self._pending: deque[tuple[SaveHandle, SaveJob]] = deque()
-        self._comms: dict = {}
         self.stats = {"plans": 0, "cache_hits": 0}
         # Data files are named <token>-<save number>-r<rank>_<k>: unique per job and save, so two
         # jobs writing one directory never overwrite each other's bytes. The coordinator's token
         # reaches the other ranks with the first plan.
         self._token = secrets.token_hex(4)
-        self._saves = 0
+        self._ops = 0          # collective operations of this role so far (saves and prepares)
+        self._plan_ids = 0     # plans made by this rank as coordinator
+        self._probed: set[str] = set()  # roots every node was seen to share
         self._warming: Future | None = None  # prepare_save's buffer warm-up
 
     # -- public ------------------------------------------------------------------------------------
@@ -137,136 +166,223 @@ class Checkpointer:
     def save(self, path, state: dict, framework: str = "auto", async_save: bool = False, *,
              step: int | None = None, process_group=None, allow_pickle: bool = False, fsync: bool = True,
              num_threads: int | None = None, user_metadata: dict | None = None,
-             on_commit: Callable[[str], None] | None = None, snapshot: str = "lazy",
+             on_commit: Callable[[str], None] | None = None, snapshot: str = "lazy", keep: int | None = None,
              timeout: timedelta = DEFAULT_TIMEOUT) -> SaveHandle:
         if snapshot not in SNAPSHOTS:
             raise ValueError(f"snapshot must be one of {', '.join(map(repr, SNAPSHOTS))}, got {snapshot!r}")
-        self._raise_background_errors()
-        root = storage_for(path, fsync=fsync)
-        name = BCP_STEPS.name(step) if step is not None else ""
-        ckpt = root.child(name) if name else root
-        adapter = resolve_framework(state, framework)
-        comm = self._comm(process_group, timeout)
-        ckpt.makedirs()  # exists when save returns, even if async (callers write files beside it)
-        rec = metrics.Recorder("save", comm.rank, ckpt.root)
-        with rec.phase("plan"):
-            plan, error = self._local_plan(state, adapter, comm.rank, allow_pickle)
-        cached = self._plans.get(plan.key) if plan is not None else None
-        if cached is not None:
-            self._plans.move_to_end(plan.key)
-            self.stats["cache_hits"] += 1
-            if comm.is_coordinator:
-                _invalidate(ckpt)
-        self._saves += 1
-        num_threads = num_threads or min(4, cores_per_rank())
-        job = SaveJob(ckpt, root, name, plan, cached, adapter.name, user_metadata or {}, num_threads, on_commit,
-                      number=self._saves, error=error, recorder=rec)
-        if not async_save:
-            self.wait_all()  # its collectives must not interleave with queued background commits
+        if keep is not None and (step is None or type(keep) is not int or keep < 1):
+            raise ValueError(f"keep={keep!r}: keep needs a step (path is then a root) and must be an integer >= 1")
+        earlier = self._earlier_failures()
+        comm = comm_for(process_group, self.role)
+        # From here on this save takes part in every exchange, whatever fails on this rank.
+        self._ops += 1
+        sid = SaveId(self._ops, step, os.fspath(path))
+        rec = metrics.Recorder("save", comm.rank, sid.path)
+        job = SaveJob(sid, timeout, f"save to {sid.path}", user_metadata=dict(user_metadata or {}),
+                      num_threads=num_threads or min(4, cores_per_rank()), on_commit=on_commit, keep=keep,
+                      recorder=rec)
+        try:
+            rec.run(self._open, comm, job, state, framework, allow_pickle, fsync, async_save, snapshot)
+        except Exception as e:  # noqa: BLE001 - sent with this rank's request, so that every rank fails alike
+            job.error = _rank_error(comm.rank, e)
+            self._release(job)
+        if async_save:
+            handle = SaveHandle(job.what.removeprefix("save to ") if job.ckpt is None else job.ckpt.root,
+                                self._start(rec.run, self._run, comm, job, finish=True), rec)
+            self._pending.append((handle, job))
+            _register_exit_flush()  # at every async save: a pool library imported since must not run first
+        else:
+            self._drain(job)  # its exchanges must not interleave with queued background commits
             future: Future = Future()
             try:
                 future.set_result(rec.run(self._run, comm, job, finish=True))
             except BaseException as e:
                 future.set_exception(e)
-                raise
-            return SaveHandle(ckpt.root, future, rec)
-        if plan is not None:
-            if snapshot == "fork" and self._pool_is_cold(job) and can_fork(job.ckpt, _plan_tensors(plan)):
-                rec.run(self._fork, job)
-            else:
-                rec.run(self._stage, job, lazy=snapshot == "lazy")
-        handle = SaveHandle(ckpt.root, self._start(rec.run, self._run, comm, job, finish=True), rec)
-        self._pending.append((handle, job))
-        _register_exit_flush()  # at every async save: a pool library imported since must not run first
+            handle = SaveHandle(job.ckpt.root if job.ckpt is not None else sid.path, future, rec)
+            if future.exception() is not None:
+                handle._error_seen = True
+                raise future.exception()
+        if earlier:
+            raise _previous_error(earlier, job, handle)
         return handle
 
     def prepare(self, state: dict, framework: str = "auto", async_save: bool = True, *, process_group=None,
                 allow_pickle: bool = False, timeout: timedelta = DEFAULT_TIMEOUT) -> Future:
         """Plan the saves of `state`'s structure now and, for async saves, touch the staging
         buffers in a background thread (see `bcp_core.prepare_save`). Collective."""
-        self._raise_background_errors()
-        adapter = resolve_framework(state, framework)
-        comm = self._comm(process_group, timeout)
-        plan, error = self._local_plan(state, adapter, comm.rank, allow_pickle)
-        self.wait_all()  # its collectives must not interleave with queued background commits
-        cached = self._plan(comm, None, plan, error)  # every rank plans: a cache hit on some only would hang
+        earlier = self._earlier_failures()
+        comm = comm_for(process_group, self.role)
+        self._ops += 1
+        job = SaveJob(SaveId(self._ops, None, ""), timeout, f"prepare_save (role {self.role!r})")
+        try:
+            adapter = resolve_framework(state, framework)
+            job.plan = local_save_plan(save_leaves(state, adapter), comm.rank, allow_pickle)
+        except Exception as e:  # noqa: BLE001 - sent to the coordinator, so that every rank raises
+            job.error = _rank_error(comm.rank, e)
+        self._drain(job)
+        agreed = self._agree(comm, job, f"p{job.save.number}", resend=True)
         ready: Future = Future()
-        boxes = cached.assignment.boxes
-        key = pool_key(plan, boxes)
+        boxes = agreed.assignment.boxes
+        key = pool_key(job.plan, boxes)
         if not async_save or self._pool.warm(key):
             ready.set_result(None)
-            return ready
-        self._warming = ready
+        else:
+            self._warming = ready
 
-        def warm() -> None:
-            try:
-                self._pool.warm_up(key, box_sources(plan, boxes))
-            except Exception as e:  # noqa: BLE001 - the first save allocates its buffers itself then
-                log.warning("bcp: preparing the staging buffers of role %r failed: %s", self.role, e)
-            ready.set_result(None)
+            def warm() -> None:
+                try:
+                    self._pool.warm_up(key, box_sources(job.plan, boxes))
+                except Exception as e:  # noqa: BLE001 - the first save allocates its buffers itself then
+                    log.warning("bcp: preparing the staging buffers of role %r failed: %s", self.role, e)
+                ready.set_result(None)
 
-        threading.Thread(target=warm, name=f"bcp-prepare-{self.role}").start()
+            threading.Thread(target=warm, name=f"bcp-prepare-{self.role}").start()
+        if earlier:
+            raise _previous_error(earlier, job, None)
         return ready
 
-    def wait_all(self) -> None:
-        """Wait for every queued save; errors are left on the handles (and raised by the next save)."""
-        for handle, _ in list(self._pending):
-            handle._future.exception()  # blocks; the error stays for wait() / the next save
+    def wait_all(self, timeout: float | None = None) -> None:
+        """Wait for every queued save (each at most `timeout` seconds, if given); errors are left on
+        the handles (and raised by the next save). Raises CommTimeoutError when one is still running."""
+        for handle, job in list(self._pending):
+            try:
+                handle._future.exception(timeout)  # blocks; the error stays for wait() / the next save
+            except FutureTimeout:
+                raise CommTimeoutError(f"bcp: rank {this_rank()} waited {timeout:.0f} s for the earlier save "
+                                       f"{job.save} to finish; it is still {job.step_phase}") from None
 
-    # -- plan --------------------------------------------------------------------------------------
-
-    @staticmethod
-    def _local_plan(state, adapter, rank: int, allow_pickle: bool) -> tuple[LocalSavePlan | None, str | None]:
-        """This rank's plan, or its error: sent to the coordinator so that every rank raises."""
+    def _drain(self, job: SaveJob) -> None:
+        """Before a save runs its exchanges on the caller's thread: the queued saves end first. A
+        queue that does not drain within the timeout fails this save (on every rank, by its request)."""
         try:
-            return local_save_plan(save_leaves(state, adapter), rank, allow_pickle), None
-        except Exception as e:  # noqa: BLE001 - reported through the plan exchange
-            return None, f"rank {rank}: {type(e).__name__}: {e}"
+            self.wait_all(3 * job.timeout.total_seconds())
+        except CommTimeoutError as e:
+            job.error = job.error or str(e)
 
-    def _comm(self, process_group, timeout) -> Comm:
-        key = (id(process_group), timeout)
-        if key not in self._comms:
-            self._comms[key] = Comm(process_group, timeout, tag=self.role)
-        return self._comms[key]
+    # -- the call: this rank's plan and its snapshot -------------------------------------------------
 
-    def _plan(self, comm: Comm, ckpt: Storage | None, plan: LocalSavePlan | None, error: str | None) -> CachedPlan:
-        """Plan collectively and cache the plan. `ckpt` is None when preparing (no checkpoint yet)."""
-        what = f"save to {ckpt.root}" if ckpt is not None else f"prepare_save (role {self.role!r})"
-        request = PlanRequest(None, None, error) if plan is None else PlanRequest(plan.key, plan.structure)
+    def _open(self, comm: Comm, job: SaveJob, state: dict, framework: str, allow_pickle: bool, fsync: bool,
+              async_save: bool, snapshot: str) -> None:
+        sid = job.save
+        job.root = storage_for(sid.path, fsync=fsync)
+        job.tracker_name = BCP_STEPS.name(sid.step) if sid.step is not None else ""
+        job.ckpt = job.root.child(job.tracker_name) if job.tracker_name else job.root
+        job.what = f"save to {job.ckpt.root}"
+        adapter = resolve_framework(state, framework)
+        job.framework = adapter.name
+        job.ckpt.makedirs()  # exists when save returns, even if async (callers write files beside it)
+        job.probe = len(set(comm.nodes)) > 1 and job.root.root not in self._probed
+        with metrics.phase("plan"):
+            job.plan = local_save_plan(save_leaves(state, adapter), comm.rank, allow_pickle)
+        with self._plans_lock:
+            job.cached = self._plans.get(job.plan.key)
+            if job.cached is not None:
+                self._plans.move_to_end(job.plan.key)
+                self.stats["cache_hits"] += 1
+        if async_save:
+            if snapshot == "fork" and self._pool_is_cold(job) and can_fork(job.ckpt, _plan_tensors(job.plan)):
+                self._fork(job)
+            else:
+                self._stage(job, lazy=snapshot == "lazy")
+
+    # -- agreeing on the plan (on the save's thread) ----------------------------------------------------
+
+    def _agree(self, comm: Comm, job: SaveJob, op: str, resend: bool = False) -> CachedPlan:
+        """The plan every rank uses for this save: the cached one if every rank holds it for its
+        current structure, else a new one (module doc). Fails on every rank alike."""
+        sid = job.save
+        if job.error is not None or job.plan is None:
+            request = PlanRequest(sid, None, None, None, None, job.error or f"rank {comm.rank}: nothing to save")
+        elif job.cached is not None and not resend:
+            request = PlanRequest(sid, job.plan.key, job.cached.plan_id, None)
+        else:
+            request = PlanRequest(sid, job.plan.key, None, job.plan.structure)
+        answer = self._round(comm, job, f"{op}/plan", request, self._decide)
+        if isinstance(answer, ResendStructure):
+            with self._plans_lock:  # never reused again unless the new plan confirms it
+                self._plans.pop(job.plan.key, None)
+            writable = tuple(sorted(job.writable)) if job.writable is not None else None
+            request = PlanRequest(sid, job.plan.key, None, job.plan.structure, writable)
+            answer = self._round(comm, job, f"{op}/replan", request, self._decide)
+        if isinstance(answer, UseCachedPlan):
+            return job.cached
+        self._token = answer.token
+        if comm.is_coordinator:
+            return self._plans[job.plan.key]
+        agreed = CachedPlan(answer.assignment, answer.plan_id)
+        self._remember(job.plan.key, agreed)
+        return agreed
+
+    def _decide(self, job: SaveJob, requests: list[PlanRequest], world: int):
+        """Coordinator: the answer to every rank's PlanRequest (one record, or one per rank)."""
+        _check_ids(requests, job.save)
+        errors = [r.error for r in requests if r.error]
+        if errors:
+            raise SaveError("; ".join(errors))
+        with self._plans_lock:
+            mine = self._plans.get(requests[0].key)
+        if mine is not None and all(r.key == k for r, k in zip(requests, mine.rank_keys)):
+            if all(r.plan == mine.plan_id for r in requests):
+                answer: object = UseCachedPlan(job.save)
+            elif all(r.plan is None or r.plan == mine.plan_id for r in requests):
+                # some ranks do not hold the plan yet (an earlier save's planning ended after they
+                # staged): they staged everything they hold, so the cached assignments fit them
+                answer = [codec.to_wire(PlanReply(job.save, a, self._token, mine.plan_id))
+                          for a in mine.gplan.assignments]
+            else:
+                answer = ResendStructure(job.save)
+        elif all(r.structure is not None for r in requests):
+            writable = [None if r.writable is None else {tuple(b) for b in r.writable} for r in requests]
+            gplan = global_save_plan([r.structure for r in requests], writable)
+            self._plan_ids += 1
+            plan_id = f"{self._token}.{self._plan_ids}"
+            self._remember(requests[0].key, CachedPlan(gplan.assignments[0], plan_id, gplan,
+                                                        [r.key for r in requests]))
+            answer = plan_replies(gplan, job.save, self._token, plan_id)
+        else:
+            answer = ResendStructure(job.save)
+        if job.ckpt is not None and not isinstance(answer, ResendStructure):
+            _invalidate(job.ckpt)  # an older checkpoint at this path must never pass for this one
+            job.ckpt.makedirs()
+        return answer
+
+    def _remember(self, key: str, plan: CachedPlan) -> None:
+        with self._plans_lock:
+            self._plans[key] = plan
+            self._plans.move_to_end(key)
+            while len(self._plans) > PLAN_CACHE_SIZE:
+                self._plans.popitem(last=False)
+        self.stats["plans"] += 1
+
+    def _round(self, comm: Comm, job: SaveJob, op: str, request, decide):
+        """One exchange: every rank's request up to the coordinator, its answer back down (the same
+        record for all, or one per rank). Raises SaveError on every rank if the answer is a failure."""
         try:
-            raw = comm.gather(codec.to_wire(request), "plan")
-        except CommTimeoutError as e:  # tell the ranks that did arrive, then fail everywhere alike
-            comm.broadcast(codec.to_wire(PlanReply(None, None, str(e))), "plan")
-            raise SaveError(f"{what} planned nothing: {e}") from None
-        gplan, requests, replies = None, [], None
+            raw = comm.gather(codec.to_wire(request), op, job.timeout)
+        except CommTimeoutError as e:  # tell the ranks that did arrive (leaders pass it on), then fail alike
+            comm.broadcast(codec.to_wire(SaveFailed(job.save, str(e))), op, job.timeout)
+            raise SaveError(f"{job.what} failed and was not committed: {e}") from None
+        answer = None
         if comm.is_coordinator:
             try:
-                requests = _expect(raw, PlanRequest, "reused a cached plan while others re-planned: the state's "
-                                   "structure changed on some ranks only")
-                errors = [r.error for r in requests if r.error]
-                if errors:
-                    raise SaveError("; ".join(errors))
-                gplan = global_save_plan([r.structure for r in requests])
-                if ckpt is not None:
-                    _invalidate(ckpt)
-                    ckpt.makedirs()
-                replies = plan_replies(gplan, self._token)
+                answer = decide(job, _expect(raw, type(request), job.save), comm.world_size)
             except Exception as e:  # noqa: BLE001 - sent to every rank so that every rank raises
-                error_reply = codec.to_wire(PlanReply(None, None, _message(e)))
-                replies = [error_reply] * comm.world_size
-        # each rank receives only its own assignment; tree leaders pass on only their subtree's part
-        reply = _received(comm.scatter(replies, "plan"), PlanReply,
-                          f"{what}: this rank re-planned while others reused a cached plan (the state's structure "
-                          "changed on some ranks only)")
-        if reply.error is not None:
-            raise SaveError(f"{what} planned nothing: {reply.error}")
-        self.stats["plans"] += 1
-        self._token = reply.token
-        cached = CachedPlan(reply.assignment, gplan, [r.key for r in requests])
-        self._plans[plan.key] = cached
-        while len(self._plans) > PLAN_CACHE_SIZE:
-            self._plans.popitem(last=False)
-        return cached
+                answer = SaveFailed(job.save, _message(e))
+        if isinstance(answer, list):
+            received = comm.scatter(answer, op, job.timeout)
+        else:
+            received = comm.broadcast(codec.to_wire(answer) if answer is not None else None, op, job.timeout)
+        try:
+            answer = codec.from_wire(received, (UseCachedPlan, ResendStructure, PlanReply, Committed, SaveFailed))
+        except MetadataError as e:
+            raise SaveError(f"{job.what}: unexpected answer from the coordinator: {e}") from None
+        if isinstance(answer, SaveFailed):  # (its error names the identities when they differed)
+            verb = "planned nothing" if op.endswith("plan") else "failed and was not committed"
+            raise SaveError(f"{job.what} {verb}: {answer.error}")
+        if answer.save != job.save:
+            raise SaveError(f"{job.what}: this rank is at {job.save} but the coordinator answered for "
+                            f"{answer.save}; the ranks' saves drifted apart")
+        return answer
 
     # -- stage -------------------------------------------------------------------------------------
 
@@ -277,13 +393,15 @@ class Checkpointer:
         stalls. With `lazy`, parameters and optimizer state are copied after the call instead, until
         the next optimizer step (staging.LazyCopy); the rest is copied now.
 
-        With a cached plan the boxes are exactly those assigned to this rank. Without one, planning
-        happens in the background, so every box this rank holds is copied (a copy of the local
-        shard: the floor of any snapshot) and the plan picks from them later.
+        With a cached plan only the boxes it assigns to this rank are staged (if the ranks then
+        agree on another plan, it gives this rank no others: `job.writable`). Without one, every box
+        this rank holds is copied (a copy of the local shard: the floor of any snapshot) and the
+        plan picks from them later.
         """
         plan = job.plan
         if job.cached is not None:
             boxes = [tuple(tb) for tb in job.cached.assignment.boxes]
+            job.writable = set(boxes)
         else:
             boxes = [(ti, bi) for ti, (_, lt) in enumerate(plan.tensors) for bi in range(len(lt.boxes))]
         sources = box_sources(plan, boxes)
@@ -293,8 +411,7 @@ class Checkpointer:
             self._warming = None
         got = self._pool.acquire(key, sources)
         while got is None:  # both slots in flight: wait for the oldest save
-            self._pending[0][0]._future.exception()  # blocks until the oldest save is done
-            self._raise_background_errors()
+            self._wait_oldest(job, "release its staging buffers")
             got = self._pool.acquire(key, sources)
         slot, buffers = got
         job.slot = (key, slot)
@@ -312,7 +429,20 @@ class Checkpointer:
         if later:
             # local files are written fast enough to take live sources during forward and backward;
             # a remote upload could hold the next optimizer step back for as long as a part takes
-            job.lazy = LazyCopy(later, name=f"bcp-snapshot-{self.role}", live=not job.ckpt.remote)
+            job.lazy = LazyCopy(later, name=f"bcp-snapshot-{self.role}", live=not job.ckpt.remote,
+                                timeout=job.timeout.total_seconds())
+
+    def _wait_oldest(self, job: SaveJob, why: str) -> None:
+        """Wait (at most the save's timeout) for the oldest queued save of this role still running."""
+        running = [(h, j) for h, j in self._pending if not h.done()]
+        if not running:
+            return
+        handle, oldest = running[0]
+        try:
+            handle._future.exception(job.timeout.total_seconds())
+        except FutureTimeout:
+            raise CommTimeoutError(f"bcp staging: rank {this_rank()} waited {job.timeout} for {oldest.save} to "
+                                   f"{why}; it is still {oldest.step_phase}") from None
 
     def _pool_is_cold(self, job: SaveJob) -> bool:
         """No warm staging buffers for this plan yet: a copy would fault in fresh memory."""
@@ -329,8 +459,7 @@ class Checkpointer:
         uses no accelerator and no network client.
         """
         while sum(1 for _, j in self._pending if j.snapshot is not None and not j.snapshot.closed) >= 2:
-            self._pending[0][0]._future.exception()  # at most two snapshots held, as with staging
-            self._raise_background_errors()
+            self._wait_oldest(job, "end its snapshot process")  # at most two snapshots held, as with staging
 
         def write_in_child(orders: dict) -> dict:
             rank = orders["rank"]
@@ -340,9 +469,9 @@ class Checkpointer:
             report = rec.run(lambda: _write(job, assignment, None, None, rank, orders["prefix"]))
             return {"report": codec.to_wire(report), "metrics": rec.records()}
 
-        job.snapshot = ForkSnapshot.start(write_in_child)
+        job.snapshot = ForkSnapshot.start(write_in_child, timeout=job.timeout.total_seconds())
 
-    # -- write and commit (on the role's save thread for async saves) ------------------------------
+    # -- agree, write and commit (on the role's save thread for async saves) ----------------------------
 
     def _start(self, fn, *args, **kwargs) -> Future:
         """Run fn in a background thread of its own, after the previous save of this role finished.
@@ -367,25 +496,40 @@ class Checkpointer:
         return future
 
     def _run(self, comm: Comm, job: SaveJob) -> str:
-        """Plan if no cached plan fits, write this rank's pieces, commit."""
+        """Agree on the plan, write this rank's pieces, commit. Every rank reaches the commit
+        exchange once the plan is agreed, whatever fails on it in between."""
+        op = f"s{job.save.number}"
         try:
-            if job.cached is None:
-                job.cached = self._plan(comm, job.ckpt, job.plan, job.error)  # fails on every rank alike
+            job.step_phase = "planning"
+            if job.probe and job.error is None and comm.rank in comm.node_leaders:
+                try:  # before the plan exchange, which tells every leader that every probe is written
+                    job.ckpt.write_atomic(PROBE_FILE.format(comm.nodes[comm.rank]), str(job.save).encode())
+                except Exception as e:  # noqa: BLE001 - reported with the request
+                    job.error = _rank_error(comm.rank, e)
+            job.agreed = self._agree(comm, job, op)
         except BaseException:
             self._release(job)
             raise
+        job.step_phase = "writing"
         try:
-            report = self._write_pieces(comm.rank, job)
+            report = self._write_pieces(comm, job)
         except Exception as e:  # noqa: BLE001 - reported to the coordinator, so every rank fails alike
-            report = failed_report(f"rank {comm.rank}: {type(e).__name__}: {e}")
-        finally:
+            report = failed_report(job.save, _rank_error(comm.rank, e))
+        try:
             self._release(job)
-        return self._commit(comm, job, report)
+        except Exception as e:  # noqa: BLE001 - as above
+            if report.error is None:
+                report = failed_report(job.save, _rank_error(comm.rank, e))
+        job.step_phase = "committing"
+        return self._commit(comm, job, report, op)
 
-    def _write_pieces(self, rank: int, job: SaveJob) -> WriteReport:
+    def _write_pieces(self, comm: Comm, job: SaveJob) -> WriteReport:
         """Write this rank's assignment: from the forked snapshot, the staged copies or the live state."""
-        prefix = f"{self._token}-{job.number}-"  # the coordinator's token arrived with the first plan
-        assignment = job.cached.assignment
+        rank = comm.rank
+        if job.probe and rank in comm.node_leaders:
+            _check_probes(job, comm)
+        prefix = f"{self._token}-{job.save.number}-"  # the coordinator's token arrived with the first plan
+        assignment = job.agreed.assignment
         if job.snapshot is None:
             staged = None if job.staged is None else [job.staged[tuple(tb)] for tb in assignment.boxes]
             report = _write(job, assignment, staged, job.staged_per_rank, rank, prefix,
@@ -421,47 +565,59 @@ class Checkpointer:
             self._pool.release(*job.slot)
             job.slot = None
 
-    def _commit(self, comm: Comm, job: SaveJob, report: WriteReport) -> str:
+    def _commit(self, comm: Comm, job: SaveJob, report: WriteReport, op: str) -> str:
         """Gather every rank's report; the coordinator writes the metadata, then the tracker."""
         # this rank's phases so far travel with its report; intervals only while the job is small
-        report = _with_metrics(report, metrics.records(intervals=comm.world_size <= 256))
+        report = replace(report, metrics=tuple(metrics.records(intervals=comm.world_size <= 256)))
         commit = metrics.start("commit")
-        try:
-            raw = comm.gather(codec.to_wire(report), "commit")
-        except CommTimeoutError as e:
-            comm.broadcast(codec.to_wire(CommitStatus(str(e))), "commit")
-            raise SaveError(f"save to {job.ckpt.root} failed and was not committed: {e}") from None
-        status = CommitStatus()
-        if comm.is_coordinator:
-            try:
-                reports = _expect(raw, WriteReport, "re-planned while others reused a cached plan: the state's "
-                                  "structure changed on some ranks only")
-                md = build_metadata(job.cached.gplan, job.cached.rank_keys, reports, job.framework,
-                                    job.user_metadata)
-                _remove_stale_files(job.ckpt, md, self._token)
-                job.ckpt.write_atomic(METADATA_FILE, gc_paused(md.dumps)())
-                if job.tracker_name:
-                    write_tracker(job.root, job.tracker_name)
-                commit.stop()
-                metrics.save_beside(job.ckpt, [metrics.records()] + [list(r.metrics) for r in reports[1:]])
-            except Exception as e:  # noqa: BLE001 - broadcast so that every rank raises
-                status = CommitStatus(_message(e))
-        status = _received(comm.broadcast(codec.to_wire(status), "commit"), CommitStatus,
-                           f"save to {job.ckpt.root}: this rank reused a cached plan while others re-planned "
-                           "(the state's structure changed on some ranks only)")
+
+        def decide(job: SaveJob, reports: list[WriteReport], world: int) -> Committed:
+            _check_ids(reports, job.save)
+            md = build_metadata(job.agreed.gplan, job.agreed.rank_keys, reports, job.framework, job.user_metadata)
+            ckpt, root = job.ckpt, job.root
+            if job.probe:
+                for node in sorted(set(comm.nodes)):
+                    ckpt.remove(PROBE_FILE.format(node))
+            _remove_stale_files(ckpt, md, self._token)
+            # the data files' directory entries, then the step directory's, are durable before the commit
+            ckpt.sync_dir("data")
+            ckpt.sync_dir()
+            if job.tracker_name:
+                root.sync_dir()
+            ckpt.write_atomic(METADATA_FILE, gc_paused(md.dumps)())
+            if job.tracker_name:
+                write_tracker(root, job.tracker_name)
+            commit.stop()
+            metrics.save_beside(ckpt, [metrics.records()] + [list(r.metrics) for r in reports[1:]])
+            return Committed(job.save)
+
+        self._round(comm, job, f"{op}/commit", report, decide)
         commit.stop()
-        if status.error is not None:
-            raise SaveError(f"save to {job.ckpt.root} failed and was not committed: {status.error}")
+        job.step_phase = "committed"
+        if job.probe:
+            self._probed.add(job.root.root)
+        if comm.is_coordinator and job.tracker_name:
+            _tidy_root(job)
         if job.on_commit is not None:
-            job.on_commit(job.ckpt.root)
+            try:
+                job.on_commit(job.ckpt.root)
+            except Exception as e:
+                log.exception("bcp: rank %d: on_commit raised after %s was committed", comm.rank, job.ckpt.root)
+                raise CommitCallbackError(f"{job.ckpt.root} was committed, but on_commit raised on rank "
+                                          f"{comm.rank}: {type(e).__name__}: {e}") from e
         return job.ckpt.root
 
-    def _raise_background_errors(self) -> None:
+    def _earlier_failures(self) -> list[tuple[SaveHandle, BaseException]]:
+        """Failed asynchronous saves of this role that no `wait()` or later save has raised yet
+        (the saves at the head of the queue that are done are dropped from it)."""
+        failed = []
         while self._pending and self._pending[0][0].done():
             handle, _ = self._pending.popleft()
             exc = handle._future.exception()
-            if exc is not None and not handle._error_seen:
-                raise SaveError(f"an earlier asynchronous save to {handle.path} failed: {exc}") from exc
+            if exc is not None and not handle._error_seen and not isinstance(exc, CommitCallbackError):
+                handle._error_seen = True
+                failed.append((handle, exc))
+        return failed
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -506,33 +662,73 @@ def _write(job: SaveJob, assignment: Assignment, staged, staged_per_rank, rank: 
         for it in items:
             if isinstance(it.key, RankValueKey):
                 per_rank[it.key.fqn] = [dtype_name(it.tensor.dtype), list(it.tensor.shape), _tensor_digest(it.tensor)]
-        return WriteReport(plan.key, plan.objects, per_rank, plan.shard_digests, plan.object_digests,
+        return WriteReport(job.save, plan.key, plan.objects, per_rank, plan.shard_digests, plan.object_digests,
                            tuple(written))
     except Exception as e:  # noqa: BLE001 - reported to the coordinator
-        return failed_report(f"rank {rank}: {type(e).__name__}: {e}")
-
-
-def _with_metrics(report: WriteReport, records: list[dict]) -> WriteReport:
-    from dataclasses import replace
-    return replace(report, metrics=tuple(records))
+        return failed_report(job.save, _rank_error(rank, e))
 
 
 @gc_paused  # one record per rank, each holding large lists: see utils.gc_paused
-def _expect(raw: list, cls: type, mismatch: str) -> list:
+def _expect(raw: list, cls: type, save: SaveId) -> list:
     """The coordinator's view of a gather: every rank's record, all of type `cls`, or SaveError."""
-    records = [codec.from_wire(m) for m in raw]
-    other = [r for r, rec in enumerate(records) if not isinstance(rec, cls)]
-    if other:
-        raise SaveError(f"ranks {other} {mismatch}")
+    records = []
+    for r, m in enumerate(raw):
+        try:
+            records.append(codec.from_wire(m, cls))
+        except MetadataError as e:
+            raise SaveError(f"rank {r} sent an unexpected message for {save}: {e}") from None
     return records
 
 
-def _received(raw, cls: type, mismatch: str):
-    """What this rank received from the coordinator, which must be a `cls` record."""
+def _check_ids(records: list, save: SaveId) -> None:
+    """Every rank's message belongs to this save (the same number, step and path)."""
+    other = [(r, rec.save) for r, rec in enumerate(records) if rec.save != save]
+    if other:
+        r, theirs = other[0]
+        raise SaveError(f"rank {r} is at {theirs} while rank 0 is at {save} ({len(other)} rank(s) differ): "
+                        "every rank must save the same step to the same path")
+
+
+def _check_probes(job: SaveJob, comm: Comm) -> None:
+    """A node leader of a multi-node job, at its first save to a root: every other node's probe file
+    must be visible here, else the nodes do not share this storage."""
+    for node, leader in zip(sorted(set(comm.nodes)), comm.node_leaders):
+        name = PROBE_FILE.format(node)
+        if not job.ckpt.exists(name):
+            raise SaveError(
+                f"{job.ckpt.root} is not shared by every node of the job: rank {comm.rank} (node "
+                f"{comm.nodes[comm.rank]}) does not see {name}, which rank {leader} (node {node}) wrote there. "
+                "A multi-node job needs storage every node reaches (a shared file system or an object "
+                "store); memory:// and node-local disks are per node")
+
+
+def _tidy_root(job: SaveJob) -> None:
+    """Coordinator, after a commit to a step of a root: leftovers of failed saves go, then, with
+    `keep`, the oldest checkpoints beyond it. Failures are logged: the checkpoint is committed."""
+    from . import layout
     try:
-        return codec.from_wire(raw, cls)
-    except MetadataError:
-        raise SaveError(mismatch) from None
+        layout.remove_leftovers(job.root, job.tracker_name)
+        if job.keep is not None:
+            result = layout.prune(job.root, job.keep)
+            for name, error in result.failed:
+                log.warning("bcp: keep=%d: could not remove %s under %s: %s", job.keep, name, job.root.root, error)
+    except Exception as e:  # noqa: BLE001 - see above
+        log.warning("bcp: tidying %s after committing %s failed: %s", job.root.root, job.tracker_name, e)
+
+
+def _rank_error(rank: int, e: BaseException) -> str:
+    return f"rank {rank}: {type(e).__name__}: {e}"
+
+
+def _previous_error(earlier: list, job: SaveJob, handle: SaveHandle | None) -> PreviousSaveError:
+    first, exc = earlier[0]
+    more = f" ({len(earlier) - 1} more failed before this one)" if len(earlier) > 1 else ""
+    goes_on = f"; this {job.what} was started and goes on (its handle is error.handle)" if handle is not None \
+        and not handle.done() else ""
+    error = PreviousSaveError(f"an earlier asynchronous save to {first.path} failed and was not committed: "
+                              f"{exc}{more}{goes_on}", handle)
+    error.__cause__ = exc
+    return error
 
 
 def _message(e: Exception) -> str:
@@ -577,15 +773,22 @@ def finish_pending_saves() -> list[tuple[str, BaseException]]:
     """Block until every queued asynchronous save of every role is committed or has failed.
 
     Returns the failures the caller has not seen yet (path, error); a failure already raised by
-    `wait()` or a later `save` is not repeated.
+    `wait()` or a later `save` is not repeated, nor an `on_commit` error (that save committed).
+    Each save is waited for at most three times its timeout (its plan, write and commit
+    exchanges each end within it); one still running then is reported as a CommTimeoutError.
     """
-    failed = []
+    failed: list[tuple[str, BaseException]] = []
     for cp in list(_CHECKPOINTERS.values()):
-        for handle, _ in list(cp._pending):
+        for handle, job in list(cp._pending):
             if not handle.done():
                 log.info("bcp: waiting for the asynchronous save to %s to commit", handle.path)
-            exc = handle._future.exception()
-            if exc is not None and not handle._error_seen:
+            waited = 3 * job.timeout
+            try:
+                exc = handle._future.exception(waited.total_seconds())
+            except FutureTimeout:
+                exc = CommTimeoutError(f"bcp exit: rank {this_rank()} waited {waited} for {job.save} to commit; "
+                                       f"it is still {job.step_phase}")
+            if exc is not None and not handle._error_seen and not isinstance(exc, CommitCallbackError):
                 handle._error_seen = True
                 failed.append((handle.path, exc))
     return failed
@@ -619,6 +822,26 @@ def _flush_at_exit() -> None:
 
 
 EXIT_SAVE_FAILED = 1
+
+
+def _forget_in_child() -> None:
+    """In a process forked from this one (a DataLoader worker, a multiprocessing.Process, bcp's own
+    fork snapshot): the saves in flight are the parent's, and the threads that run them do not
+    exist here. The child neither waits for them at its exit nor sees them queued."""
+    global _LOCK
+    _LOCK = threading.Lock()  # another thread of the parent may have held it at the fork
+    for cp in _CHECKPOINTERS.values():
+        cp._pending = deque()
+        cp._warming = None
+        cp._plans_lock = threading.Lock()
+    hooks = getattr(threading, "_threading_atexits", None)
+    if hooks is not None:
+        hooks[:] = [h for h in hooks if h is not _flush_at_exit]
+    atexit.unregister(_flush_at_exit)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _register_exit_flush() -> None:

@@ -6,8 +6,11 @@ to bcp, so planning never touches the training (NCCL or gloo) groups, needs no p
 its own, never pickles, and may run on a background thread. Every wait has a timeout; a rank that
 does not arrive produces an error naming the missing ranks and the phase instead of a hang.
 
-Each `Comm` (one per checkpointer role) numbers its operations; all ranks perform the same
-operations in the same order, so operation k of every rank meets under the same keys.
+Each operation is named by its caller after what it belongs to (`s12/commit`: the commit of save 12
+of a role; `l3/verify`: the verification of load 3): every rank names the same operation the same
+way, so its messages meet under the same keys whatever else runs, and two different operations
+never share a key. One `Comm` serves each (tag, set of ranks) for the life of the process
+(`comm_for`); how long an operation may wait is an argument of the operation, not of the Comm.
 
 Messages flow over a tree (paper §5.2), so that no rank waits on, or decodes, thousands of
 messages: the ranks of one node form the first level under the node's lowest rank (its leader);
@@ -136,47 +139,57 @@ class Comm:
     `local_world_size`: ranks per node, nodes holding consecutive global ranks (default:
     `BCP_LOCAL_WORLD_SIZE`, else the launcher's `LOCAL_WORLD_SIZE`, else one node).
     `fan_in`: the most children any tree node has (default: `BCP_FAN_IN`, else 32).
+
+    Operations are named by the caller (module doc); the coordinator deletes an operation's keys
+    once every rank has sent the next gather, so callers run their operations of one Comm in the
+    same order on every rank (a role's saves do: they run one after another).
     """
 
-    def __init__(self, group=None, timeout: timedelta = DEFAULT_TIMEOUT, tag: str = "default", *,
-                 fan_in: int | None = None, local_world_size: int | None = None):
+    def __init__(self, group=None, tag: str = "default", *, fan_in: int | None = None,
+                 local_world_size: int | None = None):
         self.distributed = dist.is_available() and dist.is_initialized()
         self.collectives = 0  # operations performed, for tests and metrics
         self.max_wait_keys = 0  # the most messages this rank waited on at once (the fan-in it saw)
-        self.timeout = timeout
-        self._seq = 0
         self._stale: list[str] = []  # keys every rank has finished with, deleted by the coordinator
         if not self.distributed:
             self.rank, self.world_size = 0, 1
+            self.nodes = [0]
             self.tree = build_tree([0], 1)
             return
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         members = list(dist.get_process_group_ranks(group)) if group is not None else list(range(self.world_size))
-        # keys are private to bcp, this role and this set of ranks
-        self._prefix = f"bcp/{tag}/{_members_id(members)}/"
+        # Keys are private to bcp, this role, this set of ranks and this launch of the workers: an
+        # elastic restart keeps the launcher's store, and the new workers' operation names restart.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self._prefix = f"bcp/{tag}/{_members_id(members)}/a{attempt}/"
         self._store = _default_store()
         fan_in = fan_in if fan_in is not None else _env_int("BCP_FAN_IN") or DEFAULT_FAN_IN
         local = local_world_size or _env_int("BCP_LOCAL_WORLD_SIZE") or _env_int("LOCAL_WORLD_SIZE")
         if local is not None and local < 1:
             raise BCPError(f"local world size must be at least 1, got {local}")
         # a node holds consecutive global ranks; a subgroup's members are placed by their global rank
-        self.tree = build_tree([m // local for m in members] if local else [0] * len(members), fan_in)
+        self.nodes = [m // local for m in members] if local else [0] * len(members)
+        self.tree = build_tree(self.nodes, fan_in)
 
     @property
     def is_coordinator(self) -> bool:
         return self.rank == 0
 
-    def _next(self) -> str:
-        # The phase is not part of the key: ranks that disagree on what they are doing (one
-        # re-plans while another commits) meet anyway, and the coordinator reports it.
+    @property
+    def node_leaders(self) -> list[int]:
+        """The lowest group rank of each node, in node order."""
+        return [r for r in range(self.world_size) if r == 0 or self.nodes[r] != self.nodes[r - 1]]
+
+    def _key(self, op: str) -> str:
+        if not op or "//" in op or op.startswith("/") or op.endswith("/"):
+            raise BCPError(f"bad operation name {op!r}")
         self.collectives += 1
-        self._seq += 1
-        return f"{self._prefix}{self._seq}"
+        return f"{self._prefix}{op}"
 
     # -- up the tree -------------------------------------------------------------------------------
 
-    def _up(self, base: str, mine: bytes, phase: str) -> bytes | None:
+    def _up(self, base: str, mine: bytes, op: str, timeout: timedelta) -> bytes | None:
         """This subtree's messages as one JSON array in rank order: sent to the parent, or returned
         on the coordinator."""
         parts = [mine]
@@ -186,7 +199,7 @@ class Comm:
             self._store.set(f"{base}/{self.rank}/a", b"")
         for kids in levels:
             keys = [f"{base}/{c}" for c in kids]
-            self._wait_up(base, keys, kids, phase)
+            self._wait_up(base, keys, kids, op, timeout)
             parts.extend(v[1:-1] for v in self._store.multi_get(keys))  # strip each array's brackets
         combined = b"[" + b",".join(parts) + b"]"
         if not self.is_coordinator:
@@ -199,14 +212,14 @@ class Comm:
                       [f"{base}/{r}/a" for r in self.tree.leaders()]
         return combined
 
-    def _wait_up(self, base: str, keys: list[str], kids: Sequence[int], phase: str) -> None:
+    def _wait_up(self, base: str, keys: list[str], kids: Sequence[int], op: str, timeout: timedelta) -> None:
         self.max_wait_keys = max(self.max_wait_keys, len(keys))
         try:
             with metrics.phase("wait"):  # time spent on other ranks, kept apart from this rank's own work
-                self._store.wait(keys, self.timeout)
+                self._store.wait(keys, timeout)
         except Exception as e:  # noqa: BLE001 - the store raises a bare RuntimeError/DistStoreError on timeout
             missing = [m for c in kids for m in self._missing_below(base, c)]
-            raise self._timeout(phase, missing or list(kids), e) from None
+            raise self._timeout(op, missing or list(kids), e, timeout) from None
 
     def _missing_below(self, base: str, rank: int) -> list[int]:
         """The ranks of `rank`'s subtree that never sent: a leader that arrived is waiting on someone."""
@@ -218,7 +231,7 @@ class Comm:
 
     # -- down the tree -----------------------------------------------------------------------------
 
-    def _down(self, base: str, message: bytes | None, phase: str, items: list | None = None) -> bytes:
+    def _down(self, base: str, message: bytes | None, op: str, timeout: timedelta, items: list | None = None) -> bytes:
         """The coordinator's `message` (tagged _ALL, or _EACH with the coordinator's per-rank `items`)
         arrives at every rank; returns this rank's copy."""
         if not self.is_coordinator:
@@ -228,13 +241,13 @@ class Comm:
                 # Twice the timeout: the coordinator may itself be waiting up to `timeout` for a
                 # missing rank, and its error naming that rank should reach us, not a second timeout.
                 with metrics.phase("wait"):
-                    self._store.wait([key], 2 * self.timeout)
+                    self._store.wait([key], 2 * timeout)
             except Exception as e:  # noqa: BLE001 - see _wait_up
                 chain = self.tree.ancestors(self.rank) + [self.rank]
                 # the first rank on the path from the root that did not pass the message on
                 stuck = next((a for a, b in zip(chain, chain[1:]) if not self._store.check([f"{base}/d/{b}"])),
                              chain[-2])
-                raise self._timeout(phase, [stuck], e, 2 * self.timeout) from None
+                raise self._timeout(op, [stuck], e, 2 * timeout) from None
             message = self._store.get(key)
         else:
             self._stale.extend(f"{base}/d/{r}" for r in range(1, self.world_size))
@@ -249,35 +262,35 @@ class Comm:
             self._store.set(f"{base}/d/{c}", message)
         return message
 
-    def _timeout(self, phase: str, missing: list[int], cause: Exception,
-                 waited: timedelta | None = None) -> CommTimeoutError:
+    def _timeout(self, op: str, missing: list[int], cause: Exception, waited: timedelta) -> CommTimeoutError:
         return CommTimeoutError(
-            f"bcp {phase}: rank {self.rank} waited {waited or self.timeout} for rank(s) {missing} "
+            f"bcp {op}: rank {self.rank} waited {waited} for rank(s) {missing} "
             f"that never arrived ({type(cause).__name__}); they may have crashed or be stuck elsewhere")
 
     # -- operations --------------------------------------------------------------------------------
 
-    def gather(self, obj: Any, phase: str = "gather") -> list[Any] | None:
+    def gather(self, obj: Any, op: str, timeout: timedelta = DEFAULT_TIMEOUT) -> list[Any] | None:
         """Every rank's `obj` on the coordinator (in rank order); None elsewhere."""
         if not self.distributed:
             self.collectives += 1
             return [obj]
-        combined = self._up(self._next(), _encode(obj), phase)
+        combined = self._up(self._key(op), _encode(obj), op, timeout)
         return None if combined is None else _decode(combined)
 
-    def broadcast(self, obj: Any = None, phase: str = "broadcast") -> Any:
-        """The coordinator's `obj` on every rank."""
+    def broadcast(self, obj: Any, op: str, timeout: timedelta = DEFAULT_TIMEOUT) -> Any:
+        """The coordinator's `obj` on every rank (`obj` is read on the coordinator only)."""
         if not self.distributed:
             self.collectives += 1
             return obj
-        return _unpack(self._down(self._next(), _ALL + _encode(obj) if self.is_coordinator else None, phase))
+        message = _ALL + _encode(obj) if self.is_coordinator else None
+        return _unpack(self._down(self._key(op), message, op, timeout))
 
-    def scatter(self, objs: list[Any] | None = None, phase: str = "scatter") -> Any:
+    def scatter(self, objs: list[Any] | None, op: str, timeout: timedelta = DEFAULT_TIMEOUT) -> Any:
         """`objs[r]` on rank r (`objs` is read on the coordinator only).
 
         Each leader receives only its subtree's part, so no rank handles every rank's message.
-        Ranks calling `scatter` while the coordinator calls `broadcast` (an error it tells every
-        rank about) receive the broadcast value.
+        The coordinator may `broadcast` under the same name instead (one answer for all ranks, an
+        error say): ranks calling `scatter` receive the broadcast value.
         """
         if self.is_coordinator and (objs is None or len(objs) != self.world_size):
             raise BCPError(f"scatter needs one object per rank ({self.world_size}), got "
@@ -286,15 +299,15 @@ class Comm:
             self.collectives += 1
             return objs[0]
         # the coordinator encodes only each child's part, never the whole list
-        return _unpack(self._down(self._next(), _EACH if self.is_coordinator else None, phase, objs))
+        return _unpack(self._down(self._key(op), _EACH if self.is_coordinator else None, op, timeout, objs))
 
-    def all_gather(self, obj: Any, phase: str = "all_gather") -> list[Any]:
+    def all_gather(self, obj: Any, op: str, timeout: timedelta = DEFAULT_TIMEOUT) -> list[Any]:
         if not self.distributed:
             self.collectives += 1
             return [obj]
-        base = self._next()
-        combined = self._up(base, _encode(obj), phase)
-        return _decode(self._down(base, _ALL + combined if combined is not None else None, phase)[1:])
+        base = self._key(op)
+        combined = self._up(base, _encode(obj), op, timeout)
+        return _decode(self._down(base, _ALL + combined if combined is not None else None, op, timeout)[1:])
 
     # -- a value the first proposer fixes for every rank (no waiting) ---------------------------
 
@@ -311,13 +324,34 @@ class Comm:
         key = f"{self._prefix}{name}"
         return self._store.get(key).decode() if self._store.check([key]) else None
 
-    def barrier(self, phase: str = "barrier") -> None:
+    def barrier(self, op: str, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
         if not self.distributed:
             self.collectives += 1
             return
-        base = self._next()
-        done = self._up(base, b"0", phase)
-        self._down(base, _ALL + b"0" if done is not None else None, phase)
+        base = self._key(op)
+        done = self._up(base, b"0", op, timeout)
+        self._down(base, _ALL + b"0" if done is not None else None, op, timeout)
+
+
+_COMMS: dict[tuple, Comm] = {}
+
+
+def comm_for(group=None, tag: str = "default") -> Comm:
+    """The process's Comm for `tag` over `group`'s ranks (created at the first call).
+
+    One per (tag, set of ranks, store): its operation names never repeat, so keys never collide,
+    whatever timeouts the operations use.
+    """
+    if dist.is_available() and dist.is_initialized():
+        members = tuple(dist.get_process_group_ranks(group)) if group is not None else \
+            tuple(range(dist.get_world_size()))
+        key = (tag, members, id(_default_store()))  # a re-initialised process group has a new store
+    else:
+        key = (tag, None, None)
+    comm = _COMMS.get(key)
+    if comm is None:
+        comm = _COMMS[key] = Comm(group, tag)
+    return comm
 
 
 def subtree_messages(tree: Tree, rank: int, items: list) -> dict[int, bytes]:

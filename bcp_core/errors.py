@@ -53,6 +53,21 @@ class SaveError(BCPError):
     """A save failed on one or more ranks; nothing was committed."""
 
 
+class PreviousSaveError(SaveError):
+    """An earlier asynchronous save failed, and neither `wait()` nor a later save had raised it yet.
+
+    Raised by the next `save` once that save is under way (every rank takes part in every save,
+    so saves never drift apart): `handle` is the new save's handle."""
+
+    def __init__(self, message: str, handle=None):
+        super().__init__(message)
+        self.handle = handle
+
+
+class CommitCallbackError(BCPError):
+    """The checkpoint was committed, but the `on_commit` callback raised on this rank."""
+
+
 class StorageError(BCPError):
     """A storage operation failed permanently."""
 

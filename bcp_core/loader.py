@@ -17,7 +17,7 @@ from datetime import timedelta
 
 from . import metrics
 from .adapters import resolve_framework
-from .comm import DEFAULT_TIMEOUT, Comm
+from .comm import DEFAULT_TIMEOUT, Comm, comm_for
 from .engine import ShardReader, read_all
 from .errors import KeyMismatchError
 from .flatten import load_targets
@@ -64,8 +64,9 @@ def load_checkpoint(path: str | os.PathLike, state: dict, framework: str = "auto
         assign()
     if share_reads or (share_reads is None and
                        worth_sharing(st, process_group, (t.tensor for t in targets.targets.values()))):
+        comm, op = _load_op(process_group)
         read_all_shared(st, md.files, md.checksum_block_bytes, plan.items, verify_checksums, num_threads,
-                        process_group, _load_comm(process_group, timeout))
+                        process_group, comm, op, timeout)
     else:
         read_all(st, md.files, md.checksum_block_bytes, plan.items, verify_checksums, num_threads)
     for target, t in plan.late:
@@ -77,15 +78,15 @@ def load_checkpoint(path: str | os.PathLike, state: dict, framework: str = "auto
     return result
 
 
-_LOAD_COMMS: dict = {}
+_LOADS: dict[int, int] = {}  # collective loads so far, per Comm
 
 
-def _load_comm(process_group, timeout) -> Comm:
-    """One Comm per group for loads: its operation numbers keep growing, so keys never repeat."""
-    key = (id(process_group), timeout)
-    if key not in _LOAD_COMMS:
-        _LOAD_COMMS[key] = Comm(process_group, timeout, tag="load")
-    return _LOAD_COMMS[key]
+def _load_op(process_group) -> tuple[Comm, str]:
+    """The Comm of collective loads over this group and the name of this load's operations: every
+    rank of the group takes part in the same collective loads in the same order."""
+    comm = comm_for(process_group, "load")
+    n = _LOADS[id(comm)] = _LOADS.get(id(comm), 0) + 1
+    return comm, f"l{n}"
 
 
 def _key_report(root: str, r: LoadResult) -> str:

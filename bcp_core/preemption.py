@@ -23,6 +23,7 @@ found past the agreed boundary raises instead of saving a checkpoint mixed from 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -30,7 +31,7 @@ from datetime import timedelta
 from typing import NoReturn
 
 from .checkpointer import finish_pending_saves
-from .comm import DEFAULT_TIMEOUT, Comm
+from .comm import DEFAULT_TIMEOUT, Comm, comm_for
 from .errors import BCPError
 
 log = logging.getLogger("bcp")
@@ -47,6 +48,7 @@ class Preemption:
         self.signum: int | None = None   # the signal this process received, if any
         self._boundary = 0               # stop_requested() calls so far
         self._stop_at: int | None = None
+        self._stopped = False            # stop_requested() answered True
         self._previous: dict[int, object] = {}
         for s in self.signals:
             self._previous[s] = signal.signal(s, self._on_signal)
@@ -67,10 +69,12 @@ class Preemption:
 
     def stop_requested(self) -> bool:
         """Call once per step boundary on every rank; True on all ranks at the same boundary once
-        any rank received the signal. Keep calling after True only if you go on training."""
+        any rank received the signal, and True from then on."""
+        if self._stopped:
+            return True
         self._boundary += 1
         if self._comm is None:
-            self._comm = Comm(self._group, self._timeout, tag="preemption")
+            self._comm = comm_for(self._group, "preemption")
         comm = self._comm
         if self._stop_at is None:
             if comm.world_size == 1:
@@ -86,7 +90,8 @@ class Preemption:
             raise BCPError(f"preemption: rank {comm.rank} is at step boundary {self._boundary}, past boundary "
                            f"{self._stop_at} where the ranks agreed to stop: the ranks are not in lockstep "
                            "(every step needs a collective across them)")
-        return self._stop_at == self._boundary
+        self._stopped = self._stop_at == self._boundary
+        return self._stopped
 
     @property
     def exit_code(self) -> int:
@@ -121,6 +126,21 @@ class Preemption:
 
 
 _ACTIVE: Preemption | None = None
+
+
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker, a multiprocessing.Process) is not the training loop: it
+    gets the handlers that were there before bcp's back, so SIGTERM ends it as it would have."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        for s, previous in _ACTIVE._previous.items():
+            if signal.getsignal(s) == _ACTIVE._on_signal:
+                signal.signal(s, previous if previous is not None else signal.SIG_DFL)
+        _ACTIVE = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def handle_preemption(signals: tuple[int, ...] = (signal.SIGTERM,), *, exit_code: int | None = None,

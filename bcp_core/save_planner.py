@@ -111,26 +111,73 @@ class Assignment:
 
 @codec.record
 @dataclass(frozen=True)
+class SaveId:
+    """Which save a message belongs to: the role's count of collective operations (the same on
+    every rank, since every rank takes part in every one), the step and the checkpoint path."""
+    number: int
+    step: int | None
+    path: str
+
+    def __str__(self) -> str:
+        return f"save #{self.number} (step {self.step}) to {self.path}"
+
+
+# Planning, in one or two rounds of the save's messages (checkpointer.py): every rank sends a
+# PlanRequest; the coordinator answers UseCachedPlan, a PlanReply per rank, ResendStructure (then
+# every rank sends its structure again and gets a PlanReply), or SaveFailed.
+
+@codec.record
+@dataclass(frozen=True)
 class PlanRequest:
-    """Rank -> coordinator: this rank's structure and its digest, or why it could not plan."""
+    """Rank -> coordinator: this rank's structure digest and either the id of the cached plan it
+    would reuse or the structure itself; or why it cannot save. `writable`: the boxes ((tensor,
+    box) indices) this rank can write, when it staged only some (its cached assignment); None: all."""
+    save: SaveId
     key: str | None
+    plan: str | None
     structure: SaveStructure | None
+    writable: tuple[tuple[int, int], ...] | None = None
     error: str | None = None
 
 
 @codec.record
 @dataclass(frozen=True)
+class UseCachedPlan:
+    """Coordinator -> every rank: every rank's structure is the one planned before; use the cached plan."""
+    save: SaveId
+
+
+@codec.record
+@dataclass(frozen=True)
+class ResendStructure:
+    """Coordinator -> every rank: some ranks hold a cached plan and others not, or the structures
+    changed on some ranks only: send the structure, the whole job plans again."""
+    save: SaveId
+
+
+@codec.record
+@dataclass(frozen=True)
 class PlanReply:
-    """Coordinator -> each rank: its assignment and the job's file token, or the planning error."""
-    assignment: Assignment | None
-    token: str | None
-    error: str | None = None
+    """Coordinator -> each rank: its assignment, the job's file token and the plan's id."""
+    save: SaveId
+    assignment: Assignment
+    token: str
+    plan_id: str
+
+
+@codec.record
+@dataclass(frozen=True)
+class SaveFailed:
+    """Coordinator -> every rank: this save fails everywhere, for this reason (naming the rank)."""
+    save: SaveId
+    error: str
 
 
 @codec.record
 @dataclass(frozen=True)
 class WriteReport:
     """Rank -> coordinator after writing: the pieces written and this save's values (or an error)."""
+    save: SaveId
     key: str | None
     objects: dict                 # fqn -> encoded value (rank 0's are saved)
     per_rank: dict                # fqn -> encoded value, or [dtype, shape, digest] of a per-rank tensor
@@ -141,21 +188,21 @@ class WriteReport:
     error: str | None = None
 
 
-@gc_paused  # one reply per rank: see utils.gc_paused
-def plan_replies(gplan: GlobalSavePlan, token: str) -> list[dict]:
-    """Each rank's PlanReply, ready for the scatter."""
-    return [codec.to_wire(PlanReply(a, token)) for a in gplan.assignments]
-
-
-def failed_report(error: str) -> WriteReport:
-    return WriteReport(None, {}, {}, (), {}, (), (), error)
-
-
 @codec.record
 @dataclass(frozen=True)
-class CommitStatus:
-    """Coordinator -> every rank: the checkpoint committed, or why not."""
-    error: str | None = None
+class Committed:
+    """Coordinator -> every rank: the checkpoint is committed."""
+    save: SaveId
+
+
+@gc_paused  # one reply per rank: see utils.gc_paused
+def plan_replies(gplan: GlobalSavePlan, save: SaveId, token: str, plan_id: str) -> list[dict]:
+    """Each rank's PlanReply, ready for the scatter."""
+    return [codec.to_wire(PlanReply(save, a, token, plan_id)) for a in gplan.assignments]
+
+
+def failed_report(save: SaveId, error: str) -> WriteReport:
+    return WriteReport(save, None, {}, {}, (), {}, (), (), error)
 
 
 # ----------------------------------------------------------------------------- local plan
@@ -243,7 +290,10 @@ class GlobalSavePlan:
 
 @metrics.timed("plan")
 @gc_paused
-def global_save_plan(structures: list[SaveStructure]) -> GlobalSavePlan:
+def global_save_plan(structures: list[SaveStructure],
+                     writable: list[set[tuple[int, int]] | None] | None = None) -> GlobalSavePlan:
+    """Who writes what. `writable[r]`, if given and not None, limits rank r to those boxes ((tensor,
+    box) indices): an asynchronous save staged only its cached assignment and can write no other."""
     world = len(structures)
     tensor_info: dict[str, tuple[str, list[int], int]] = {}   # fqn -> dtype, shape, first rank
     holders: dict[tuple, list[tuple[int, int, int]]] = {}   # (fqn, offs, lens) -> [(rank, ti, bi)]
@@ -264,6 +314,13 @@ def global_save_plan(structures: list[SaveStructure]) -> GlobalSavePlan:
     replicated = []
     esize = {dt: element_size(dtype_from_name(dt)) for dt in {v[0] for v in tensor_info.values()}}
     for key, hs in holders.items():
+        if writable is not None:
+            able = [h for h in hs if writable[h[0]] is None or (h[1], h[2]) in writable[h[0]]]
+            if not able:
+                raise PlanError(f"tensor {key[0]!r} box offsets {list(key[1])} lengths {list(key[2])}: ranks "
+                                f"{[h[0] for h in hs]} hold it but none staged it for this save (the structure "
+                                "changed on some ranks since the plan they reused); the next save plans afresh")
+            hs = able
         nbytes = math.prod(key[2]) * esize[tensor_info[key[0]][0]]
         if len(hs) == 1:
             r, ti, bi = hs[0]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+from datetime import timedelta
 import socket
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -92,25 +93,26 @@ def _blocks(it: ReadItem, block: int) -> tuple[int, int, int, int, int]:
 
 
 def read_all_shared(storage: Storage, files: tuple[str, ...], block: int, items: list[ReadItem], verify: bool,
-                    num_threads: int, process_group, comm: Comm) -> dict:
-    """Read `items` sharing the work with the group's other ranks (module docstring). Collective.
-    Returns counts."""
+                    num_threads: int, process_group, comm: Comm, op: str, timeout: timedelta) -> dict:
+    """Read `items` sharing the work with the group's other ranks (module docstring). Collective:
+    `op` names this load's exchanges on `comm`. Returns counts."""
     items = [it for it in items if math.prod(it.lengths)]
     spans: dict[tuple[int, int, int], list[ReadItem]] = {}
     for it in items:
         lo, hi = item_span(it, block, verify)
         spans.setdefault((it.piece.file, it.piece.byte_offset + lo, it.piece.byte_offset + hi), []).append(it)
     blocks = sorted({_blocks(it, block) for it in items}) if verify else []
-    wanted = comm.all_gather({"host": _host(), "spans": sorted(spans), "blocks": blocks}, "load-plan")
+    wanted = comm.all_gather({"host": _host(), "spans": sorted(spans), "blocks": blocks}, f"{op}/plan", timeout)
     if not storage.remote and len({w["host"] for w in wanted}) == 1:
-        return _verify_once(storage, files, block, items, verify, num_threads, comm, [w["blocks"] for w in wanted])
+        return _verify_once(storage, files, block, items, verify, num_threads, comm, [w["blocks"] for w in wanted],
+                            op, timeout)
     with metrics.phase("transfer"):  # the whole exchange; its own reads and copies are recorded too
         return _read_once(storage, files, block, spans, verify, num_threads, process_group, comm,
                           [w["spans"] for w in wanted])
 
 
 def _verify_once(storage: Storage, files: tuple[str, ...], block: int, items: list[ReadItem], verify: bool,
-                 num_threads: int, comm: Comm, wanted: list[list]) -> dict:
+                 num_threads: int, comm: Comm, wanted: list[list], op: str, timeout: timedelta) -> dict:
     """One host, local files: every rank reads its own bytes; each block is verified once."""
     requesters: dict[tuple[int, int, int], list[int]] = {}  # (file, piece offset, block) -> ranks
     sizes: dict[tuple[int, int, int], int] = {}
@@ -127,7 +129,8 @@ def _verify_once(storage: Storage, files: tuple[str, ...], block: int, items: li
         read_all(storage, files, block, items, verify, num_threads, skip)
     except Exception as e:  # noqa: BLE001 - every rank must reach the exchange below, or the others wait
         error = e
-    failures = comm.all_gather(None if error is None else [type(error).__name__, str(error)], "load-verify")
+    failures = comm.all_gather(None if error is None else [type(error).__name__, str(error)], f"{op}/verify",
+                               timeout)
     if error is not None:
         raise error
     for r, failure in enumerate(failures):

@@ -10,14 +10,18 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
+import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .errors import SaveError
+from .errors import CommTimeoutError, SaveError
 from .storage import LocalStorage, Storage
+from .utils import this_rank
 
 log = logging.getLogger("bcp")
 
@@ -33,16 +37,18 @@ class ForkSnapshot:
     lock or network client of the parent and leaves with os._exit.
     """
 
-    def __init__(self, pid: int, to_child: int, from_child: int):
+    def __init__(self, pid: int, to_child: int, from_child: int, timeout: float):
         self.pid: int | None = pid
         self._to: int | None = to_child
         self._from: int | None = from_child
+        self._timeout = timeout
         self.closed = False
 
     @classmethod
-    def start(cls, write: Callable[[dict], dict]) -> ForkSnapshot:
+    def start(cls, write: Callable[[dict], dict], timeout: float) -> ForkSnapshot:
         """Fork now. The child waits for its orders (a JSON dict), calls `write(orders)` on its copy of
-        the memory and answers the JSON report `write` returns."""
+        the memory and answers the JSON report `write` returns. The parent waits at most `timeout`
+        seconds for the report, and as long for the child to leave; a child that overstays is killed."""
         r_in, w_in = os.pipe()
         r_out, w_out = os.pipe()
         with _SNAPSHOT_FDS_LOCK:
@@ -60,7 +66,7 @@ class ForkSnapshot:
             _SNAPSHOT_FDS.update((w_in, r_out))
         os.close(r_in)
         os.close(w_out)
-        return cls(pid, w_in, r_out)
+        return cls(pid, w_in, r_out, timeout)
 
     def send(self, orders: dict) -> None:
         try:
@@ -70,7 +76,13 @@ class ForkSnapshot:
 
     def result(self) -> dict:
         """The child's report, once it has written everything; its phases join this save's metrics."""
-        msg = _recv_msg(self._from)
+        try:
+            msg = _recv_msg(self._from, time.monotonic() + self._timeout)
+        except TimeoutError:
+            pid = self.pid
+            self._kill()
+            raise CommTimeoutError(f"bcp fork snapshot: rank {this_rank()} waited {self._timeout:.0f} s for the "
+                                   f"snapshot process {pid} to write its pieces; killed it") from None
         status = self._reap()
         if msg is None:
             raise SaveError(f"the snapshot process ended without writing its pieces ({_exit_reason(status)})")
@@ -88,8 +100,28 @@ class ForkSnapshot:
         self._reap()
 
     def _reap(self) -> int:
+        """The child's exit status, once it left; killed if it does not within the timeout."""
         pid, self.pid = self.pid, None
-        return os.waitpid(pid, 0)[1] if pid is not None else 0
+        if pid is None:
+            return 0
+        deadline = time.monotonic() + self._timeout
+        delay = 0.001
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return status
+            if time.monotonic() > deadline:
+                log.error("bcp: the snapshot process %d did not leave within %.0f s; killing it", pid, self._timeout)
+                os.kill(pid, signal.SIGKILL)
+                return os.waitpid(pid, 0)[1]
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def _kill(self) -> None:
+        if self.pid is not None:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            self.pid = None
 
 
 def _snapshot_child(write: Callable[[dict], dict], r_in: int, w_out: int) -> None:
@@ -121,6 +153,23 @@ _SNAPSHOT_FDS: set[int] = set()
 _SNAPSHOT_FDS_LOCK = threading.Lock()
 
 
+def _forget_in_child() -> None:
+    """Any forked child (a DataLoader worker...) closes the snapshot pipes it inherited: a snapshot
+    process must see end-of-file when the parent closes its end, whoever else forked meanwhile."""
+    global _SNAPSHOT_FDS_LOCK
+    _SNAPSHOT_FDS_LOCK = threading.Lock()
+    for fd in _SNAPSHOT_FDS:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _SNAPSHOT_FDS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def _send_msg(fd: int, obj: Any) -> None:
     """A JSON message, 8-byte length first (readers never wait for an end-of-file)."""
     data = json.dumps(obj).encode()
@@ -129,18 +178,23 @@ def _send_msg(fd: int, obj: Any) -> None:
         view = view[os.write(fd, view):]
 
 
-def _recv_msg(fd: int) -> Any:
-    """The next message, or None when the other side closed first (or died)."""
-    head = _read_exactly(fd, 8)
+def _recv_msg(fd: int, deadline: float | None = None) -> Any:
+    """The next message, or None when the other side closed first (or died). TimeoutError once
+    `deadline` (a time.monotonic() value) passes."""
+    head = _read_exactly(fd, 8, deadline)
     if head is None:
         return None
-    body = _read_exactly(fd, int.from_bytes(head, "little"))
+    body = _read_exactly(fd, int.from_bytes(head, "little"), deadline)
     return None if body is None else json.loads(body)
 
 
-def _read_exactly(fd: int, n: int) -> bytes | None:
+def _read_exactly(fd: int, n: int, deadline: float | None = None) -> bytes | None:
     chunks, left = [], n
     while left:
+        if deadline is not None:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError
         chunk = os.read(fd, min(left, 1 << 20))
         if not chunk:
             return None

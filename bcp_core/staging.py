@@ -19,6 +19,8 @@ module's parameters, weight surgery, `load_state_dict`) runs inside `with bcp.mu
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import threading
 import time
 import weakref
@@ -27,8 +29,11 @@ from collections.abc import Iterator
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .errors import SaveError
+from .errors import BCPError, CommTimeoutError, SaveError
 from .save_planner import LocalSavePlan
+from .utils import this_rank
+
+log = logging.getLogger("bcp")
 
 
 class StagingPool:
@@ -145,8 +150,10 @@ class LazyCopy:
     only orders the caller's stream after the copies (no CPU wait), and the writer waits for them.
     """
 
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], name: str, live: bool = False):
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], name: str, live: bool = False,
+                 timeout: float | None = None):
         self._pairs = pairs  # (staging buffer, live source)
+        self._timeout = timeout  # how long the step guard waits for writes from live sources
         self._index = {id(buf): i for i, (buf, _) in enumerate(pairs)}
         self._live = [live and writable_live(buf, src) for buf, src in pairs]
         self._state = [PENDING] * len(pairs)
@@ -204,11 +211,23 @@ class LazyCopy:
 
     def finish(self) -> None:
         """Return once the state may change in place: every pair copied or written (or, on CUDA,
-        the caller's stream ordered after the copies)."""
+        the caller's stream ordered after the copies).
+
+        A write from a live source that does not end within the timeout (a stalled network file
+        system) is given up on: the save fails (its writer raises this error once it returns) and
+        the step goes on, rather than training waiting for the storage without end."""
         with self._cond:
             self._closing = True
         self._copy_all()
-        self._done.wait()
+        if not self._done.wait(self._timeout):
+            with self._cond:
+                stuck = [i for i, st in enumerate(self._state) if st == LIVE]
+            self.error = self.error or CommTimeoutError(
+                f"bcp step pre-hook: rank {this_rank()} waited {self._timeout:.0f} s for the save's write of "
+                f"{len(stuck)} piece(s) straight from the live state; the optimizer step went on and this "
+                "save fails (the storage stalled)")
+            log.error("%s", self.error)
+            return
         if self._stream is not None:
             torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
 
@@ -254,6 +273,8 @@ class LazyCopy:
         self._raise_copy_error()
 
     def _raise_copy_error(self) -> None:
+        if isinstance(self.error, BCPError):
+            raise self.error
         if self.error is not None:
             raise SaveError(f"copying the state for the save failed: {type(self.error).__name__}: {self.error}")
 
@@ -304,6 +325,18 @@ def _before_step(optimizer, args, kwargs):
     if "closure" in kwargs:
         return args, {**kwargs, "closure": closure_then_finish}
     return (closure_then_finish, *args[1:]), kwargs
+
+
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker...) has none of the parent's copy threads or writers:
+    its optimizer steps must not wait for the parent's lazy copies."""
+    global _IN_FLIGHT_LOCK
+    _IN_FLIGHT_LOCK = threading.Lock()
+    _IN_FLIGHT.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 @contextlib.contextmanager

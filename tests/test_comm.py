@@ -15,8 +15,8 @@ from dist import run_ranks
 def _exchange_and_timeout(rank, world_size, root):
     comm = Comm(tag="test")
     assert comm.gather({"r": rank}, "plan") == ([{"r": r} for r in range(world_size)] if rank == 0 else None)
-    assert comm.broadcast({"x": 1} if rank == 0 else None) == {"x": 1}
-    assert comm.all_gather(rank * 10) == [r * 10 for r in range(world_size)]
+    assert comm.broadcast({"x": 1} if rank == 0 else None, "bcast") == {"x": 1}
+    assert comm.all_gather(rank * 10, "allgather") == [r * 10 for r in range(world_size)]
     # rank 2 never joins the save: ranks 0 and 1 get an error naming it (and the phase) in time
     if rank == 2:
         return "skipped"

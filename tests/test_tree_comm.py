@@ -67,9 +67,8 @@ def _tree_vs_flat(rank, world_size, root):
     assert flat.tree.depth == 1 and tree.tree.depth == 2
     msg = {"rank": rank, "boxes": [[rank, rank + 1]] * (rank % 3), "name": f"r{rank}"}
     for c in (tree, flat):
-        gathered = c.gather(msg, "plan")
         got = {
-            "gather": gathered,
+            "gather": c.gather(msg, "plan"),
             "broadcast": c.broadcast({"plan": list(range(5))} if rank == 0 else None),
             "scatter": c.scatter([{"for": r, "w": [r] * r} for r in range(world_size)] if rank == 0 else None),
             "all_gather": c.all_gather([rank, str(rank)]),

@@ -1,0 +1,50 @@
+"""One process per node of a 2-node job (two torchrun node groups), saving the way a user does.
+
+    torchrun --nnodes 2 --node_rank K --nproc_per_node 1 --master_addr 127.0.0.1 --master_port P \
+        tests/jobs/two_nodes.py --path PATH --out DIR
+
+Saves a state whose tensor "w" rank 0 and rank 1 each hold half of (rank 1 also holds "b"), once,
+to PATH (a root); prints "COMMITTED <path>" or "REFUSED <error>" and writes the same to
+DIR/result_rank<r>. With node-local storage (memory:// with a BCP_MEMORY_DIR of each node's own)
+bcp must refuse the save, naming the storage, instead of committing a checkpoint some node cannot
+read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+import bcp_core as bcp
+from bcp_core.shards import Box, ShardedView
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--path", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    full = torch.arange(8.0)
+    half = full[4 * rank:4 * rank + 4]
+    state = {"w": ShardedView((8,), torch.float32, [Box((4 * rank,), (4,), half)])}
+    if rank == 1:
+        state["b"] = torch.ones(3)
+    try:
+        handle = bcp.save(args.path, state, step=1, async_save=True)
+        result = f"COMMITTED {handle.wait()}"
+    except bcp.SaveError as e:
+        result = f"REFUSED {e}"
+    with open(os.path.join(args.out, f"result_rank{rank}"), "w") as f:
+        f.write(result)
+    print(result, flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
