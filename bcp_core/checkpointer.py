@@ -271,7 +271,6 @@ class Checkpointer:
         adapter = resolve_framework(state, framework)
         job.framework = adapter.name
         job.ckpt.makedirs()  # exists when save returns, even if async (callers write files beside it)
-        job.probe = len(set(comm.nodes)) > 1 and job.root.root not in self._probed
         with metrics.phase("plan"):
             job.plan = local_save_plan(save_leaves(state, adapter), comm.rank, allow_pickle)
         with self._plans_lock:
@@ -501,6 +500,9 @@ class Checkpointer:
         op = f"s{job.save.number}"
         try:
             job.step_phase = "planning"
+            # decided here, not in the call: every earlier save of the role has ended on every rank
+            # by now, so every rank sees the same roots checked
+            job.probe = job.root is not None and len(set(comm.nodes)) > 1 and job.root.root not in self._probed
             if job.probe and job.error is None and comm.rank in comm.node_leaders:
                 try:  # before the plan exchange, which tells every leader that every probe is written
                     job.ckpt.write_atomic(PROBE_FILE.format(comm.nodes[comm.rank]), str(job.save).encode())
@@ -586,7 +588,11 @@ class Checkpointer:
                 root.sync_dir()
             ckpt.write_atomic(METADATA_FILE, gc_paused(md.dumps)())
             if job.tracker_name:
-                write_tracker(root, job.tracker_name)
+                try:
+                    write_tracker(root, job.tracker_name)
+                except BaseException:
+                    _invalidate(ckpt)  # failed on every rank: must not be found complete either
+                    raise
             commit.stop()
             metrics.save_beside(ckpt, [metrics.records()] + [list(r.metrics) for r in reports[1:]])
             return Committed(job.save)
@@ -707,10 +713,10 @@ def _tidy_root(job: SaveJob) -> None:
     `keep`, the oldest checkpoints beyond it. Failures are logged: the checkpoint is committed."""
     from . import layout
     try:
-        layout.remove_leftovers(job.root, job.tracker_name)
+        for name, error in layout.remove_leftovers(job.root, job.tracker_name).failed:
+            log.warning("bcp: could not remove %s, left by a failed save under %s: %s", name, job.root.root, error)
         if job.keep is not None:
-            result = layout.prune(job.root, job.keep)
-            for name, error in result.failed:
+            for name, error in layout.prune(job.root, job.keep).failed:
                 log.warning("bcp: keep=%d: could not remove %s under %s: %s", job.keep, name, job.root.root, error)
     except Exception as e:  # noqa: BLE001 - see above
         log.warning("bcp: tidying %s after committing %s failed: %s", job.root.root, job.tracker_name, e)

@@ -146,7 +146,9 @@ def write_items(storage: Storage, rank: int, items: list[WriteItem], num_files: 
             return placed
 
         placed = [p for ps in pool.map(metrics.bind(write_file), range(len(bins))) for p in ps]
-        return [WrittenPiece(it.key, rel, pos, n, sums) for it, rel, pos, n, sums in placed]
+    with metrics.phase("fsync"):  # the files' names in data/ are durable before the commit record is written
+        storage.sync_dir("data")
+    return [WrittenPiece(it.key, rel, pos, n, sums) for it, rel, pos, n, sums in placed]
 
 
 # ----------------------------------------------------------------------------- reading

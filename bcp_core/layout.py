@@ -7,7 +7,10 @@
 
 `StepNaming` says how step directories are named: bcp's own `step_<8 digits>` (`BCP_STEPS`) or
 HF Trainer's `checkpoint-<step>` (`HF_STEPS`, no tracker: HF finds the newest itself). Every
-place that names, lists or resolves checkpoints goes through this module.
+place that names, lists, resolves or removes checkpoints goes through this module.
+
+Removing never leaves the root: a step entry that is a symbolic link is removed as a link, never
+its target, and nothing is followed through one.
 """
 
 from __future__ import annotations
@@ -15,11 +18,14 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .errors import IncompleteCheckpointError, NotACheckpointError
+from .errors import BCPError, IncompleteCheckpointError, NotACheckpointError
 from .metadata import METADATA_FILE, TRACKER_FILE
 from .storage import Storage, storage_for
+from .storage.base import REMOTE_THREADS, parse_temp_name, temp_writer_gone
 
 log = logging.getLogger("bcp")
 
@@ -66,16 +72,16 @@ def write_tracker(root: Storage, name: str) -> None:
     root.write_atomic(TRACKER_FILE, name.encode())
 
 
-def list_checkpoints(root: str | os.PathLike, naming: StepNaming = BCP_STEPS) -> list[CheckpointEntry]:
+def _storage(root: str | os.PathLike | Storage) -> Storage:
+    return root if isinstance(root, Storage) else storage_for(root)
+
+
+def list_checkpoints(root: str | os.PathLike | Storage, naming: StepNaming = BCP_STEPS) -> list[CheckpointEntry]:
     """The step directories under `root`, oldest first, complete or not, with the latest marked."""
-    st = storage_for(root)
+    st = _storage(root)
     tracker = read_tracker(st)
-    found = []
-    for name in st.listdir():
-        step = naming.step_of(name)
-        if step is not None:
-            found.append((step, name, st.exists(f"{name}/{METADATA_FILE}")))
-    found.sort()
+    names = [name for name in st.listdir() if naming.step_of(name) is not None]
+    found = sorted(zip((naming.step_of(n) for n in names), names, _have_metadata(st, names)))
     if not found and st.exists(METADATA_FILE):  # the root is itself one checkpoint
         return [CheckpointEntry("", None, st.root, True, False, True)]
     complete = [name for _, name, ok in found if ok]
@@ -110,6 +116,10 @@ def resolve(path: str | os.PathLike, naming: StepNaming = BCP_STEPS) -> Storage:
     if st.exists("data"):
         raise IncompleteCheckpointError(f"{st.root} holds data files but no {METADATA_FILE}: the save that "
                                         "wrote it never committed")
+    if naming.step_of(st.root.rstrip("/").rsplit("/", 1)[-1]) is not None and st.exists(""):
+        # a save creates its step directory first: one without anything in it never got further
+        raise IncompleteCheckpointError(f"{st.root} holds no {METADATA_FILE}: the save of this step never "
+                                        "committed")
     raise NotACheckpointError(f"{st.root} is not a bcp checkpoint (no {METADATA_FILE}, no {TRACKER_FILE})")
 
 
@@ -119,3 +129,110 @@ def latest_complete(root: str | os.PathLike, naming: StepNaming = BCP_STEPS) -> 
         return resolve(root, naming).root
     except (NotACheckpointError, IncompleteCheckpointError):
         return None
+
+
+def _have_metadata(st: Storage, names: list[str]) -> list[bool]:
+    """Whether each step directory holds committed metadata; asked in parallel where each question
+    is a network request (a root of many steps on an object store)."""
+    def has(name: str) -> bool:
+        return st.exists(f"{name}/{METADATA_FILE}")
+    if not st.remote or len(names) < 2:
+        return [has(n) for n in names]
+    with ThreadPoolExecutor(min(len(names), REMOTE_THREADS), thread_name_prefix="bcp-list") as pool:
+        return list(pool.map(has, names))
+
+
+# ----------------------------------------------------------------------------- removing checkpoints
+
+# A temporary file (storage.base.temp_name) whose writer is on another host is stale once it has not
+# been written to for this long; one whose writer ran on this host is stale once that process ended.
+STALE_TEMP_SECONDS = 3600
+
+
+@dataclass(frozen=True)
+class Removal:
+    """What `prune` or `remove_leftovers` did under a root (names relative to the root)."""
+
+    removed: tuple[str, ...]              # removed (with dry_run: would be removed)
+    kept: tuple[str, ...]                 # step directories left in place
+    failed: tuple[tuple[str, str], ...]   # (name, why) of each that could not be removed, or only in part
+
+
+def prune(root: str | os.PathLike | Storage, keep_last: int, keep_every: int | None = None,
+          naming: StepNaming = BCP_STEPS, dry_run: bool = False) -> Removal:
+    """Remove complete checkpoints except the newest `keep_last`, those whose step is a multiple of
+    `keep_every`, the one the tracker names and the one `load(root)` uses; and incomplete ones older
+    than the latest (failed saves; newer ones may be saves in progress). Works on every storage.
+
+    A checkpoint's metadata goes first, so an interrupted removal leaves an incomplete checkpoint,
+    never one that looks complete. A failure to remove one is reported in `failed`, and the others
+    are still removed.
+    """
+    if type(keep_last) is not int or keep_last < 1:
+        raise ValueError(f"keep_last={keep_last!r}: keep at least 1 checkpoint")
+    if keep_every is not None and (type(keep_every) is not int or keep_every < 1):
+        raise ValueError(f"keep_every={keep_every!r}: must be an integer >= 1, or None")
+    st = _storage(root)
+    entries = [e for e in list_checkpoints(st, naming) if e.name]
+    complete = [e for e in entries if e.complete]
+    latest = next((e for e in entries if e.latest), None)
+    keep = {e.name for e in complete[-keep_last:]} | {e.name for e in entries if e.tracker or e.latest}
+    if keep_every:
+        keep |= {e.name for e in complete if e.step % keep_every == 0}
+    doomed = [e for e in entries if e.name not in keep
+              and (e.complete or (latest is not None and e.step < latest.step))]
+    kept = tuple(e.name for e in entries if e not in doomed)
+    if dry_run:
+        return Removal(tuple(e.name for e in doomed), kept, ())
+    removed, failed = _remove_each(st, [(e.name, e.complete) for e in doomed])
+    return Removal(removed, kept, failed)
+
+
+def remove_leftovers(root: str | os.PathLike | Storage, committed: str, naming: StepNaming = BCP_STEPS) -> Removal:
+    """After `committed` (a step directory's name) was committed under `root`: remove what failed or
+    crashed saves left behind. That is step directories without metadata whose step is older than
+    the committed one (never a newer one: it may be a save in progress), and stale temporary files
+    (`storage.base.temp_name`) in the root, the committed directory and its `data/`: written by a
+    process of this host that has ended, or not written to for STALE_TEMP_SECONDS.
+    """
+    step = naming.step_of(committed)
+    if step is None:
+        raise ValueError(f"{committed!r} is not a step directory name ({naming.template})")
+    st = _storage(root)
+    tracker = read_tracker(st)
+    entries = [e for e in list_checkpoints(st, naming) if e.name]
+    failed_saves = [e.name for e in entries if not e.complete and e.step < step and e.name != tracker]
+    now = time.time()
+    temps = []
+    for where in ("", committed, f"{committed}/data"):
+        for name in st.listdir(where):
+            rel = f"{where}/{name}" if where else name
+            if _stale_temp(st, rel, name, now):
+                temps.append(rel)
+    removed, failed = _remove_each(st, [(name, False) for name in failed_saves + temps])
+    return Removal(removed, tuple(e.name for e in entries if e.name not in failed_saves), failed)
+
+
+def _stale_temp(st: Storage, relpath: str, name: str, now: float) -> bool:
+    temp = parse_temp_name(name)
+    if temp is None:
+        return False
+    if temp_writer_gone(temp):
+        return True
+    modified = st.modified(relpath)
+    return modified is not None and now - modified > STALE_TEMP_SECONDS
+
+
+def _remove_each(st: Storage, doomed: list[tuple[str, bool]]) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """Remove each (name, complete) entry; a link as a link, a complete checkpoint's metadata first."""
+    removed, failed = [], []
+    for name, complete in doomed:
+        try:
+            if complete and not st.is_link(name):
+                st.remove(f"{name}/{METADATA_FILE}")
+            st.remove(name)
+        except (BCPError, OSError) as e:
+            failed.append((name, str(e) if isinstance(e, BCPError) else f"{type(e).__name__}: {e}"))
+            continue
+        removed.append(name)
+    return tuple(removed), tuple(failed)

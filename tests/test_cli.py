@@ -289,6 +289,35 @@ def test_ls_latest_prune(tmp_path, capsys):
     assert _bcp("latest", str(tmp_path / "empty")) == 1
 
 
+def test_prune_names_what_it_could_not_delete_and_exits_1(tmp_path, capsys):
+    """A checkpoint prune cannot delete is named on stderr with the file and the reason, the others are
+    deleted, and the exit status is 1 (before, errors were ignored and it printed "removed")."""
+    root = tmp_path / "root"
+    model, _ = _small_state()
+    for step in (1, 2, 3):
+        bcp.save(str(root), {"model": model}, step=step).wait()
+    stuck = next((root / "step_00000001" / "data").iterdir())
+    if os.geteuid() == 0:  # root ignores permissions: make the file immutable
+        if subprocess.run(["chattr", "+i", str(stuck)], capture_output=True).returncode != 0:
+            pytest.skip("needs chattr +i (root ignores permissions)")
+        undo = ["chattr", "-i", str(stuck)]
+    else:
+        os.chmod(stuck.parent, 0o500)
+        undo = ["chmod", "0700", str(stuck.parent)]
+    try:
+        assert _bcp("prune", str(root), "--keep-last", "1") == 1
+        out = capsys.readouterr()
+        assert out.out.strip() == "removed: step_00000002; kept: step_00000003"
+        assert out.err.startswith("bcp prune: could not remove step_00000001: ") and str(stuck) in out.err, out.err
+        assert _bcp("prune", str(root), "--keep-last", "1", "--json") == 1
+        [failed] = json.loads(capsys.readouterr().out)["failed"]
+        assert failed["name"] == "step_00000001" and str(stuck) in failed["error"]
+    finally:
+        subprocess.run(undo, check=True)
+    assert _bcp("prune", str(root), "--keep-last", "1") == 0
+    assert sorted(os.listdir(root)) == ["latest", "step_00000003"]
+
+
 def test_console_script_help():
     exe = os.path.join(os.path.dirname(sys.executable), "bcp")
     cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "bcp_core"]
@@ -338,7 +367,7 @@ def test_streams_progress_on_stderr_and_json_on_stdout(tmp_path):
               ("latest",): lambda j: j == {"path": str(root / "step_00000005")},
               ("inspect",): lambda j: j["tensors"]["model.w"]["shape"] == [3 << 20],
               ("prune", "--keep-last", "1", "--dry-run"): lambda j: j == {"removed": [], "kept": ["step_00000005"],
-                                                                        "dry_run": True},
+                                                                        "dry_run": True, "failed": []},
               ("rename", "--rule", "^model\\.=net.", "--dry-run"): lambda j: j["renamed"] == {"model.w": "net.w"}}
     for args, check in checks.items():
         out = run(args[0], str(root), *args[1:], "--json")

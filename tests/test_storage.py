@@ -41,13 +41,15 @@ class FaultyS3:
         self.max_inflight = {"part": 0, "range": 0}
         self.counts = {"part": 0, "range": 0, "failed": 0}
 
-    def fail(self, status: int, code: str, method: str, key_pattern: str, times: int | None, every: int = 1):
-        """Fail the first attempt of one in `every` distinct requests (same key, range and part) of `method`
-        on keys matching the regex `key_pattern`; `times` such failures at most (None: no limit). A retried
-        request then succeeds, so the outcome does not depend on how requests interleave."""
+    def fail(self, status: int, code: str, method: str, key_pattern: str, times: int | None, every: int = 1,
+             attempts: int | None = 1):
+        """Fail the first `attempts` attempts (None: every attempt) of one in `every` distinct requests (same
+        key, range and part) of `method` on keys matching the regex `key_pattern`; `times` such requests at
+        most (None: no limit). A request retried more often then succeeds, so the outcome does not depend
+        on how requests interleave."""
         with self.lock:
             self.rules.append({"status": status, "code": code, "method": method, "key": re.compile(key_pattern),
-                               "left": times, "every": every, "distinct": set()})
+                               "left": times, "every": every, "attempts": attempts, "failures": {}})
 
     def clear(self):
         with self.lock:
@@ -69,13 +71,18 @@ class FaultyS3:
                      environ.get("HTTP_RANGE", ""))
         with self.lock:
             for r in self.rules:
-                if r["method"] != signature[0] or not r["key"].search(signature[1]) or signature in r["distinct"]:
+                if r["method"] != signature[0] or not r["key"].search(signature[1]):
                     continue
-                r["distinct"].add(signature)
-                if (len(r["distinct"]) - 1) % r["every"] or (r["left"] is not None and r["left"] <= 0):
+                failures = r["failures"]  # per distinct request: its failed attempts, or None if not chosen
+                if signature not in failures:
+                    chosen = len(failures) % r["every"] == 0 and (r["left"] is None or r["left"] > 0)
+                    failures[signature] = 0 if chosen else None
+                    if chosen and r["left"] is not None:
+                        r["left"] -= 1
+                done = failures[signature]
+                if done is None or (r["attempts"] is not None and done >= r["attempts"]):
                     continue
-                if r["left"] is not None:
-                    r["left"] -= 1
+                failures[signature] = done + 1
                 self.counts["failed"] += 1
                 return r
         return None
@@ -125,10 +132,9 @@ def s3(tmp_path_factory):
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{server.server_port}"
-    # Credentials and endpoint for this process, the rank processes and `bcp` subprocesses. botocore's
-    # retries are switched off (and the faults avoid the codes s3fs retries) so they reach bcp's own layer.
-    options = {"endpoint_url": url, "key": "testing", "secret": "testing",
-               "config_kwargs": {"retries": {"total_max_attempts": 1}}}
+    # Credentials and endpoint for this process, the rank processes and `bcp` subprocesses. bcp itself turns
+    # botocore's and s3fs's retries off (its own are the one retry layer), keeping other client settings.
+    options = {"endpoint_url": url, "key": "testing", "secret": "testing", "config_kwargs": {"read_timeout": 30}}
     env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
            "FSSPEC_S3": json.dumps(options)}
     saved_env = {k: os.environ.get(k) for k in env}
@@ -310,6 +316,63 @@ def test_s3_small_file_is_one_put_and_abort_discards(s3, small_io):
     st.remove("")
 
 
+def test_s3_one_retry_layer(s3, small_io):
+    """A request that fails for good is sent exactly `retry_attempts` times: bcp's retries are the only
+    ones, with botocore's and s3fs's own off (before, the three layers multiplied: 3 x 5 x 5 = 75 sends
+    of a SlowDown PUT, each layer with its own delays). Other client settings of the user are kept."""
+    bst.configure_storage(retry_attempts=3)
+    url = f"s3://{BUCKET}/one-layer-{uuid.uuid4().hex[:8]}"
+    st = bst.storage_for(url)
+    assert st.fs.retries == 1 and st.fs.config_kwargs["retries"]["total_max_attempts"] == 1
+    assert st.fs.config_kwargs["read_timeout"] == 30  # the fixture's fsspec config, merged
+    st.write_atomic("blob", b"x" * 100)
+    s3.reset_counts()
+    s3.fail(503, "SlowDown", "PUT", r"/one-layer-[^/]*/latest$", times=None, attempts=None)  # every layer retries it
+    s3.fail(500, "InternalError", "GET", r"/one-layer-[^/]*/blob$", times=None, attempts=None)
+    try:
+        with pytest.raises(bcp.StorageError, match=r"commit \(write\) s3://.*/latest failed after 3 attempts"):
+            st.write_atomic("latest", b"step_00000001")
+        assert s3.counts["failed"] == 3
+        with pytest.raises(bcp.StorageError, match=r"read s3://.*/blob failed after 3 attempts"):
+            st.read_bytes("blob")
+        assert s3.counts["failed"] == 6
+        assert bst.retry_stats()["retries"] == 4
+    finally:
+        s3.clear()
+        st.remove("")
+    # A retry policy the user gives botocore is theirs to keep.
+    bst.set_storage_options("s3", config_kwargs={"retries": {"total_max_attempts": 2}})
+    try:
+        assert bst.storage_for(url).fs.config_kwargs["retries"]["total_max_attempts"] == 2
+    finally:
+        bst.base.FS_OPTIONS.pop("s3", None)
+
+
+def test_prune_and_leftovers_on_s3(s3, small_io):
+    """The root's layout works on object stores too: prune keeps the newest and the tracker's, and
+    removes whole old checkpoints; a failed save's directory goes after the next commit."""
+    from bcp_core import layout
+    root = f"s3://{BUCKET}/prune-{uuid.uuid4().hex[:8]}"
+    st = bst.storage_for(root)
+    try:
+        for step in (1, 2, 3, 4):
+            bcp.save(root, {"w": torch.full((8,), float(step))}, step=step, async_save=False).wait()
+        st.write_atomic("latest", b"step_00000002")  # the tracker names an older one
+        st.write_atomic("step_00000005/data/partial.safetensors", b"never committed")  # a save in progress
+        result = layout.prune(root, keep_last=1)
+        assert result.removed == ("step_00000001", "step_00000003") and not result.failed
+        assert result.kept == ("step_00000002", "step_00000004", "step_00000005")
+        assert st.listdir() == ["latest", "step_00000002", "step_00000004", "step_00000005"]
+        assert st.listdir("step_00000001") == [] and st.listdir("step_00000003") == []
+        assert layout.remove_leftovers(root, "step_00000004").removed == ()  # step 5 may be a save in progress
+        assert layout.remove_leftovers(root, "step_00000006").removed == ("step_00000005",)
+        target = {"w": torch.zeros(8)}
+        bcp.load(root, target)
+        assert torch.equal(target["w"], torch.full((8,), 2.0))
+    finally:
+        st.remove("")
+
+
 # ----------------------------------------------------------------------------- fsspec, memory, retries
 
 def test_fsspec_backend_on_fsspec_memory(small_io):
@@ -352,6 +415,54 @@ def test_memory_storage_is_shared_tmpfs(tmp_path, monkeypatch):
     for bad in ("memory://", "memory://a/../b"):
         with pytest.raises(bcp.StorageError, match="memory://"):
             bst.storage_for(bad)
+
+
+def test_file_urls_follow_rfc8089(tmp_path):
+    """`file:///x` and `file://localhost/x` are the local path /x (before, the second was the relative
+    path `localhost/x`); a URL naming another host is refused with an error naming it."""
+    for url in (f"file://{tmp_path}/a", f"file://localhost{tmp_path}/a", f"FILE://LocalHost{tmp_path}/a"):
+        st = bst.storage_for(url)
+        assert isinstance(st, bst.LocalStorage) and st.root == f"{tmp_path}/a", url
+        st.makedirs()
+        st.write_atomic("x", url.encode())
+        assert (tmp_path / "a" / "x").read_bytes() == url.encode()
+    assert not os.path.exists("localhost")
+    with pytest.raises(bcp.StorageError, match="not of host 'fileserver'"):
+        bst.storage_for(f"file://fileserver{tmp_path}/a")
+
+
+def test_local_writer_closes_its_descriptor_once(tmp_path, monkeypatch):
+    """A data file whose close fails (EIO at fsync) is discarded, and its descriptor is closed exactly
+    once: before, abort() closed the number again, which by then was another file's."""
+    import errno
+
+    from bcp_core.storage import local
+    st = bst.storage_for(str(tmp_path))
+    w = st.open_writer("f.safetensors")
+    w.write(memoryview(b"bytes that never reach the disk"))
+    fd = w.fd
+    real_fsync = os.fsync
+
+    def fsync(n):
+        if n == fd:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_fsync(n)
+    monkeypatch.setattr(local.os, "fsync", fsync)
+    with pytest.raises(OSError, match="Input/output"):
+        w.close()
+    monkeypatch.setattr(local.os, "fsync", real_fsync)
+    opened = []  # another component's files, until one gets the number the writer had
+    while not opened or opened[-1] != fd:
+        assert len(opened) < 64, opened
+        opened.append(os.open(tmp_path / "other", os.O_WRONLY | os.O_CREAT, 0o644))
+    try:
+        w.abort()  # what the engine does after a failed close
+        os.fstat(fd)  # still open: it is the other file's
+        assert os.write(fd, b"ok") == 2
+    finally:
+        for n in opened:
+            os.close(n)
+    assert sorted(os.listdir(tmp_path)) == ["other"]  # nothing left of the failed file, not even its temp
 
 
 def test_local_parallel_chunks(tmp_path, small_io):
@@ -448,10 +559,10 @@ def test_direct_io_falls_back_to_buffered_writes(tmp_path, small_io, monkeypatch
 
     real_open = os.open
 
-    def open_(path, flags, *a):
+    def open_(path, flags, *a, **kw):
         if flags & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument", path)
-        return real_open(path, flags, *a)
+        return real_open(path, flags, *a, **kw)
     monkeypatch.setattr(local.os, "open", open_)
     written("einval_at_open", direct=False)
     monkeypatch.setattr(local.os, "open", real_open)

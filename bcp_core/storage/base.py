@@ -9,6 +9,9 @@ docs/storage.md describes configuration and how to add a backend.
 from __future__ import annotations
 
 import os
+import re
+import secrets
+import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -179,7 +182,22 @@ class Storage(ABC):
 
     @abstractmethod
     def remove(self, relpath: str) -> None:
-        """Remove a file or a whole directory tree; missing is not an error."""
+        """Remove a file or a whole directory tree; missing is not an error. A symbolic link is removed
+        as a link (its target is never touched), and a path is never followed through one. What could
+        not be removed raises a StorageError naming it."""
+
+    def sync_dir(self, relpath: str = "") -> None:
+        """Make a directory's entries (files created, renamed or removed in it) durable: an fsync of
+        the POSIX directory when this storage fsyncs; nothing on stores without directories."""
+        return None
+
+    def is_link(self, relpath: str) -> bool:
+        """Whether relpath is a symbolic link (never, on stores without links)."""
+        return False
+
+    def modified(self, relpath: str) -> float | None:
+        """When the file was last written, in seconds since the epoch; None if missing or unknown."""
+        return None
 
 
 _REGISTRY: dict[str, type[Storage]] = {}
@@ -209,6 +227,54 @@ def storage_for(path: str | os.PathLike, fsync: bool = True) -> Storage:
                            f"known schemes: {sorted(_REGISTRY)}")
     return cls(path, fsync=fsync)
 
+
+# ----------------------------------------------------------------------------- temporary files
+#
+# Files that must appear whole (the metadata, the tracker, local data files) are written under a
+# temporary name in their own directory and renamed into place. The name says which process wrote
+# it, so that a later save can tell a leftover of a writer that died from a file being written now
+# (layout.remove_leftovers).
+
+TEMP_PATTERN = re.compile(r"^(.+)\.bcp-tmp\.([A-Za-z0-9-]+)\.(\d+)\.[0-9a-f]{8}$")
+
+
+@dataclass(frozen=True)
+class TempFile:
+    """What the name of a temporary file says."""
+
+    target: str   # the name it becomes once complete
+    host: str     # this_host() of its writer
+    pid: int      # its writer's process id
+
+
+def this_host() -> str:
+    """This machine's name as it appears in temporary file names (letters, digits and '-')."""
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:63] or "host"
+
+
+def temp_name(name: str) -> str:
+    """`<name>.bcp-tmp.<host>.<pid>.<8 hex>`: unique to this call, and names its writer."""
+    return f"{name}.bcp-tmp.{this_host()}.{os.getpid()}.{secrets.token_hex(4)}"
+
+
+def parse_temp_name(name: str) -> TempFile | None:
+    """The writer of a temporary file named by `temp_name`; None for any other name."""
+    m = TEMP_PATTERN.match(name)
+    return TempFile(m.group(1), m.group(2), int(m.group(3))) if m else None
+
+
+def temp_writer_gone(temp: TempFile) -> bool:
+    """Whether the writer of a temporary file is known to have ended: a process of this host that no
+    longer runs. A writer on another host cannot be asked (its file's age tells instead)."""
+    if temp.host != this_host():
+        return False
+    try:
+        os.kill(temp.pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # it runs, as another user
+        pass
+    return False
 
 
 def write_all(writer: FileWriter, chunks: Iterable[memoryview]) -> None:

@@ -8,7 +8,6 @@ parallel ranged reads, and every request goes through `with_retries`.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -17,7 +16,7 @@ from ..errors import StorageError, StorageFileNotFoundError
 from ..extras import require
 from ..utils import this_rank
 from .base import (CONFIG, FS_OPTIONS, REMOTE_THREADS, FileWriter, Storage, chunks, io_threads, register_storage,
-                   run_all, scheme_of)
+                   run_all, scheme_of, temp_name)
 from .retry import with_retries
 
 log = logging.getLogger("bcp")
@@ -244,13 +243,17 @@ class FsspecStorage(Storage):
         options = dict(FS_OPTIONS.get(scheme_of(root), {}))
         upload = upload or options.pop("upload", None)
         if fs is None:
-            if scheme_of(root) in ("s3", "s3a"):
+            s3 = scheme_of(root) in ("s3", "s3a")
+            if s3:
                 require("s3fs", "s3", "s3:// paths")  # one line naming the extra, not fsspec's ImportError
+                options = _without_botocore_retries(options)
             try:
                 fs, path = fsspec.core.url_to_fs(root, **options)
             except (ImportError, ValueError) as e:
                 raise StorageError(f"cannot open {root!r} with fsspec: {e} (install the fsspec driver for "
                                    f"{scheme_of(root)}://, e.g. `pip install s3fs` for s3://)") from e
+            if s3:
+                fs.retries = 1  # s3fs's own retry loop (SlowDown...): with_retries is the one retry layer
         else:  # a given filesystem: the URL's scheme may be one it does not know (a custom backend's)
             path = fs._strip_protocol(root.split("://", 1)[1] if "://" in root else root)
         self.fs, self.path = fs, path.rstrip("/")
@@ -312,7 +315,8 @@ class FsspecStorage(Storage):
         if self.protocols & self.ATOMIC_PUT_PROTOCOLS:
             with_retries("commit (write)", url, self.fs.pipe_file, path, data)
         else:
-            tmp = f"{path}.tmp.{os.getpid()}"
+            parent, _, name = path.rpartition("/")
+            tmp = f"{parent}/{temp_name(name)}" if parent else temp_name(name)
             with_retries("commit (write temporary)", url, self.fs.pipe_file, tmp, data)
 
             def replace() -> None:
@@ -352,6 +356,18 @@ class FsspecStorage(Storage):
         with_retries("make directory", self.join(relpath), self.fs.makedirs, self._p(relpath), exist_ok=True)
         self._made.add(relpath)
 
+    def is_link(self, relpath: str) -> bool:
+        islink = getattr(self.fs, "islink", None)  # filesystems with links (local) have it
+        return bool(islink(self._p(relpath))) if callable(islink) else False
+
+    def modified(self, relpath: str) -> float | None:
+        try:
+            when = self.fs.modified(self._p(relpath))
+        except Exception:  # noqa: BLE001 - not every filesystem knows; unknown keeps a file rather than drop it
+            return None
+        # a time without a zone could be local or UTC: unknown, rather than hours off
+        return when.timestamp() if getattr(when, "tzinfo", None) is not None else None
+
     def remove(self, relpath: str) -> None:
         path = self._p(relpath)
         self._invalidate(path)
@@ -363,3 +379,15 @@ class FsspecStorage(Storage):
         self._made = {d for d in self._made if not (relpath == "" or d == relpath or d.startswith(relpath + "/"))}
 
 
+def _without_botocore_retries(options: dict[str, Any]) -> dict[str, Any]:
+    """s3fs options with botocore's retries off: `with_retries` is the one retry layer, so attempts and
+    delays do not multiply (botocore's attempts x s3fs's x bcp's). A `retries` given in the options'
+    `config_kwargs` (here or in fsspec's config) is kept: whoever sets it chose to retry there too."""
+    import fsspec.config
+
+    config: dict[str, Any] = {}
+    for protocol in ("s3", "s3a"):  # explicit options would replace fsspec's config_kwargs whole: merge them
+        config.update(fsspec.config.conf.get(protocol, {}).get("config_kwargs") or {})
+    config.update(options.get("config_kwargs") or {})
+    config.setdefault("retries", {"total_max_attempts": 1})
+    return {**options, "config_kwargs": config}

@@ -3,6 +3,10 @@
 Large writes and reads are split into chunks done by parallel `pwrite`/`pread` threads, which
 release the GIL.
 
+Files are created under a temporary name (`base.temp_name`, opened O_CREAT|O_EXCL|O_NOFOLLOW) and
+renamed into place when complete, in a directory reached from the storage root without following
+any symbolic link: a link planted below the root never redirects a write or a removal.
+
 Durable writes go around the page cache (O_DIRECT, where the OS and filesystem allow it): the
 bytes pass through a few reused page-aligned buffers straight to the device. A buffered write
 must first get, fill and later write back a page-cache page per 4 KiB; that kernel work runs on
@@ -12,17 +16,18 @@ the cores training uses, and a checkpoint read by no one fills memory that train
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
-import shutil
+import stat
 import threading
 
 import numpy as np
 
 from ..errors import StorageError
 from ..utils import this_rank
-from .base import CONFIG, FileWriter, Storage, chunks, register_storage, run_all
+from .base import CONFIG, FileWriter, Storage, chunks, register_storage, run_all, temp_name
 
 
 # ----------------------------------------------------------------------------- local / POSIX
@@ -89,22 +94,32 @@ def _copy(dst: np.ndarray, src) -> None:
 
 
 class _LocalWriter(FileWriter):
-    """A file written at increasing offsets: in parallel chunks, directly to the device if it can."""
+    """A file written at increasing offsets: in parallel chunks, directly to the device if it can.
 
-    def __init__(self, path: str, fsync: bool):
-        self.path, self.fsync = path, fsync
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    The bytes go to a new temporary file in the target's directory (`dir_fd`, owned by the writer
+    from now on); `close` renames it into place, `abort` deletes it. Each descriptor is closed once.
+    """
+
+    def __init__(self, dir_fd: int, name: str, shown: str, fsync: bool, mode: int = 0o644):
+        self.dir_fd, self.name, self.path, self.fsync = dir_fd, name, shown, fsync
+        self.tmp = temp_name(name)
+        self.fd: int | None = None
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
         # direct I/O for durable files only: memory:// (no fsync) lives in the page cache by design
         self.direct = fsync and CONFIG.direct_io and hasattr(os, "O_DIRECT")
-        if self.direct:
-            try:
-                self.fd = os.open(path, flags | os.O_DIRECT, 0o644)
-            except OSError as e:
-                if e.errno != errno.EINVAL:  # EINVAL: this filesystem has no direct I/O
-                    raise
-                self.direct = False
-        if not self.direct:
-            self.fd = os.open(path, flags, 0o644)
+        try:
+            if self.direct:
+                try:
+                    self.fd = os.open(self.tmp, flags | os.O_DIRECT, mode, dir_fd=dir_fd)
+                except OSError as e:
+                    if e.errno != errno.EINVAL:  # EINVAL: this filesystem has no direct I/O
+                        raise
+                    self.direct = False
+            if not self.direct:
+                self.fd = os.open(self.tmp, flags, mode, dir_fd=dir_fd)
+        except BaseException:
+            self._close_dir()
+            raise
         self.pos = 0
         self.tail = b""  # direct I/O: the bytes after the last aligned offset, not written yet
 
@@ -175,19 +190,55 @@ class _LocalWriter(FileWriter):
         os.ftruncate(self.fd, self.pos)
 
     def close(self) -> None:
+        """Finish, fsync and rename the file into place; on any error the file is discarded."""
         try:
-            if self.direct:
-                self._finish_direct()
-            if self.fsync:  # direct writes too: the file's size and the device's cache
-                os.fsync(self.fd)
-        finally:
-            os.close(self.fd)
+            try:
+                if self.direct:
+                    self._finish_direct()
+                if self.fsync:  # direct writes too: the file's size and the device's cache
+                    os.fsync(self.fd)
+            finally:
+                self._close_fd()
+            # rename() replaces a name, never writes through it: a link planted there is dropped, not followed
+            os.replace(self.tmp, self.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+        except BaseException:
+            self.abort()
+            raise
+        self._close_dir()
 
     def abort(self) -> None:
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            self._close_fd()
+        if self.dir_fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.tmp, dir_fd=self.dir_fd)
+            self._close_dir()
+
+    def _close_fd(self) -> None:
+        # Closed once: a second close could hit another component's file that got the same number.
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def _close_dir(self) -> None:
+        fd, self.dir_fd = self.dir_fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+_DIR_NOFOLLOW = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+
+
+def local_path(url: str) -> str:
+    """The OS path of a local path or `file://` URL (RFC 8089): `file:///x` and `file://localhost/x`
+    are `/x`; a URL naming another host is refused."""
+    if url[:7].lower() != "file://":
+        return url
+    host, _, path = url[7:].partition("/")
+    if host.lower() not in ("", "localhost"):
+        raise StorageError(f"{url}: a file:// URL names a file of this machine (file:///PATH or "
+                           f"file://localhost/PATH), not of host {host!r}; mount that directory and give its path")
+    return "/" + path
 
 
 @register_storage
@@ -196,9 +247,10 @@ class LocalStorage(Storage):
 
     schemes = ("file",)
     remote = False  # POSIX paths count as local; a loader spots a multi-node job by its node count
+    FILE_MODE = 0o644  # of the files it creates, less the umask
 
     def __init__(self, root: str, fsync: bool = True):
-        super().__init__(root.removeprefix("file://"), fsync)
+        super().__init__(local_path(root), fsync)
 
     def join(self, relpath: str) -> str:
         return os.path.join(self.root, *relpath.split("/")) if relpath else self.root
@@ -207,8 +259,33 @@ class LocalStorage(Storage):
         """The OS path of relpath (join() is what messages show; they differ for MemoryStorage)."""
         return LocalStorage.join(self, relpath)
 
+    def _open_dir(self, parts: list[str]) -> int:
+        """A descriptor of the directory `parts` below the root, reached without following a link
+        (the root itself is the caller's path, which may pass through links)."""
+        fd = os.open(self._path(""), os.O_RDONLY | os.O_DIRECTORY)
+        for i, part in enumerate(parts):
+            try:
+                below = os.open(part, _DIR_NOFOLLOW, dir_fd=fd)
+            except OSError as e:
+                os.close(fd)
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise StorageError(f"{self.join('/'.join(parts[:i + 1]))} is a symbolic link or not a "
+                                       "directory: bcp follows no link below a storage root") from e
+                raise
+            os.close(fd)
+            fd = below
+        return fd
+
+    def _parent(self, relpath: str) -> tuple[int, str]:
+        """A descriptor of relpath's directory (as `_open_dir`) and relpath's last name."""
+        parts = relpath.split("/")
+        if any(p in ("", ".", "..") for p in parts):
+            raise StorageError(f"bad path {relpath!r} below {self.root}: empty, '.' or '..' parts")
+        return self._open_dir(parts[:-1]), parts[-1]
+
     def open_writer(self, relpath: str) -> FileWriter:
-        return _LocalWriter(self._path(relpath), self.fsync)
+        dir_fd, name = self._parent(relpath)
+        return _LocalWriter(dir_fd, name, self.join(relpath), self.fsync, self.FILE_MODE)
 
     def read_into(self, relpath: str, offset: int, out: memoryview) -> None:
         out = memoryview(out).cast("B")
@@ -230,16 +307,25 @@ class LocalStorage(Storage):
             return memoryview(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ))
 
     def write_atomic(self, relpath: str, data: bytes) -> None:
-        path = self._path(relpath)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
+        dir_fd, name = self._parent(relpath)
+        try:
+            tmp = temp_name(name)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, self.FILE_MODE, dir_fd=dir_fd)
+            try:
+                with open(fd, "wb") as f:
+                    f.write(data)
+                    if self.fsync:
+                        f.flush()
+                        os.fsync(f.fileno())
+                os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=dir_fd)
+                raise
             if self.fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-        if self.fsync:
-            _fsync_dir(os.path.dirname(path) or ".")
+                _fsync_dir(dir_fd, self.join(relpath.rpartition("/")[0]))
+        finally:
+            os.close(dir_fd)
 
     def read_bytes(self, relpath: str) -> bytes:
         with open(self._path(relpath), "rb") as f:
@@ -258,33 +344,152 @@ class LocalStorage(Storage):
         os.makedirs(self._path(relpath), exist_ok=True)
 
     def remove(self, relpath: str) -> None:
-        path = self._path(relpath)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
+        try:
+            if relpath:
+                dir_fd, name = self._parent(relpath)
+            else:  # the root itself, through whatever links its path holds
+                parent, name = os.path.split(os.path.abspath(self._path("")))
+                if not name:
+                    raise StorageError(f"refusing to remove {parent}")
+                dir_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            return
+        failed: list[str] = []
+        try:
             try:
-                os.remove(path)
+                is_dir = stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
             except FileNotFoundError:
-                pass
+                return
+            if is_dir:
+                _remove_tree(dir_fd, name, self.join(relpath), failed)
+            else:  # a file, or a link: the link goes, its target stays
+                try:
+                    os.unlink(name, dir_fd=dir_fd)
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    failed.append(f"{self.join(relpath)}: {e.strerror}")
+        finally:
+            os.close(dir_fd)
+        if failed:
+            more = f" and {len(failed) - 5} more" if len(failed) > 5 else ""
+            raise StorageError(f"could not remove {self.join(relpath)}: {'; '.join(failed[:5])}{more}")
+
+    def sync_dir(self, relpath: str = "") -> None:
+        if not self.fsync:
+            return
+        try:
+            fd = self._open_dir(relpath.split("/") if relpath else [])
+        except FileNotFoundError:
+            return  # nothing was written there
+        try:
+            _fsync_dir(fd, self.join(relpath))
+        finally:
+            os.close(fd)
+
+    def is_link(self, relpath: str) -> bool:
+        return os.path.islink(self._path(relpath))
+
+    def modified(self, relpath: str) -> float | None:
+        try:
+            return os.stat(self._path(relpath), follow_symlinks=False).st_mtime
+        except FileNotFoundError:
+            return None
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _fsync_dir(fd: int, shown: str) -> None:
+    """fsync a directory: the names created, renamed or removed in it survive a crash."""
     try:
         os.fsync(fd)
+    except OSError as e:
+        if e.errno in (errno.EINVAL, errno.ENOTSUP):  # a filesystem that cannot sync directories has nothing to sync
+            return
+        raise StorageError(f"rank {this_rank()}: fsync of directory {shown} failed: {e.strerror}") from e
+
+
+def _remove_tree(parent_fd: int, name: str, shown: str, failed: list[str]) -> None:
+    """Remove the directory `name` of `parent_fd` and everything in it, following no link (a link is
+    removed as a link); what could not be removed is added to `failed`."""
+    before = len(failed)
+    try:
+        fd = os.open(name, _DIR_NOFOLLOW, dir_fd=parent_fd)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        failed.append(f"{shown}: {e.strerror}")
+        return
+    try:
+        with os.scandir(fd) as listing:
+            entries = list(listing)
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                _remove_tree(fd, entry.name, f"{shown}/{entry.name}", failed)
+                continue
+            try:
+                os.unlink(entry.name, dir_fd=fd)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                failed.append(f"{shown}/{entry.name}: {e.strerror}")
+    except OSError as e:
+        failed.append(f"{shown}: {e.strerror}")
     finally:
         os.close(fd)
+    try:
+        os.rmdir(name, dir_fd=parent_fd)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        if len(failed) == before:  # not merely what is left of a failure reported above
+            failed.append(f"{shown}: {e.strerror}")
 
 
 # ----------------------------------------------------------------------------- in memory
 
 def memory_dir() -> str:
-    """Where `memory://` checkpoints live: $BCP_MEMORY_DIR, else /dev/shm (tmpfs: RAM, shared by processes)."""
-    base = os.environ.get("BCP_MEMORY_DIR") or "/dev/shm"
-    if not os.path.isdir(base):
-        raise StorageError(f"memory:// storage needs a tmpfs directory; {base} does not exist "
+    """Where `memory://` checkpoints live: `bcp-memory` in $BCP_MEMORY_DIR, else in /dev/shm (tmpfs:
+    RAM, shared by processes). It is made if missing; it must be this user's directory (not a link)
+    and is kept private (mode 0700)."""
+    parent = os.environ.get("BCP_MEMORY_DIR") or "/dev/shm"
+    if not os.path.isdir(parent):
+        raise StorageError(f"memory:// storage needs a tmpfs directory; {parent} does not exist "
                            "(set BCP_MEMORY_DIR to a RAM-backed directory)")
-    return os.path.join(base, "bcp-memory")
+    base = os.path.join(parent, "bcp-memory")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(base, 0o700)
+    os.close(_private_dir(base, base))
+    return base
+
+
+def _private_dir(path: str, shown: str, dir_fd: int | None = None) -> int:
+    """A descriptor of a directory that must be this user's and no link; group and others lose access."""
+    try:
+        fd = os.open(path, _DIR_NOFOLLOW, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise StorageError(f"memory:// storage: {shown} is a symbolic link or not a directory; refusing "
+                               "to keep checkpoints through it (remove it, or set BCP_MEMORY_DIR)") from e
+        raise
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise StorageError(f"memory:// storage: {shown} belongs to {_user(st.st_uid)}, not to this user "
+                               f"({_user(os.geteuid())}); its owner could read or replace the checkpoints in it. "
+                               "Set BCP_MEMORY_DIR to a RAM-backed directory of your own")
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            os.fchmod(fd, 0o700)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _user(uid: int) -> str:
+    import pwd
+    try:
+        return f"user {pwd.getpwuid(uid).pw_name!r} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 @register_storage
@@ -293,10 +498,12 @@ class MemoryStorage(LocalStorage):
 
     For fast in-memory checkpoints: no fsync, no network; it survives the training process
     (a restarted job on the same machine loads from it) but not a reboot. Files stay in RAM
-    until removed (`bcp prune`, or `storage_for(url).remove("")`).
+    until removed (`bcp prune`, or `storage_for(url).remove("")`). Directories are private to
+    this user (0700) and files 0600.
     """
 
     schemes = ("memory",)
+    FILE_MODE = 0o600
 
     def __init__(self, root: str, fsync: bool = True):
         rest = root.split("://", 1)[1] if "://" in root else root
@@ -304,7 +511,9 @@ class MemoryStorage(LocalStorage):
         if not parts or any(p in (".", "..") for p in parts):
             raise StorageError(f"bad memory:// path {root!r}: expected memory://NAME[/SUBDIR...] without '..'")
         Storage.__init__(self, "memory://" + "/".join(parts), fsync=False)  # tmpfs has nothing to sync
-        self.local_root = os.path.join(memory_dir(), *parts)
+        self.base = memory_dir()
+        self.parts = parts
+        self.local_root = os.path.join(self.base, *parts)
 
     def join(self, relpath: str) -> str:
         return Storage.join(self, relpath)
@@ -312,4 +521,18 @@ class MemoryStorage(LocalStorage):
     def _path(self, relpath: str) -> str:
         return os.path.join(self.local_root, *relpath.split("/")) if relpath else self.local_root
 
-
+    def makedirs(self, relpath: str = "") -> None:
+        """Every directory from the memory base down is made 0700, or checked to be this user's and tightened."""
+        names = self.parts + (relpath.split("/") if relpath else [])
+        if any(p in ("", ".", "..") for p in names):
+            raise StorageError(f"bad path {relpath!r} below {self.root}: empty, '.' or '..' parts")
+        fd = os.open(self.base, _DIR_NOFOLLOW)
+        try:
+            for i, name in enumerate(names):
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o700, dir_fd=fd)
+                below = _private_dir(name, "memory://" + "/".join(names[:i + 1]), dir_fd=fd)
+                os.close(fd)
+                fd = below
+        finally:
+            os.close(fd)

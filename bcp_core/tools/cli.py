@@ -127,8 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prune", help="delete old checkpoints",
                        description="Delete complete checkpoints except the newest K, every step divisible by "
-                                   "N, and the latest; delete incomplete checkpoints older than the latest "
-                                   "(newer ones may be saves in progress and are kept).")
+                                   "N, the one the tracker names and the latest; delete incomplete checkpoints "
+                                   "older than the latest (newer ones may be saves in progress and are kept). "
+                                   "Links are removed as links, never followed. Exit status 1 if anything "
+                                   "could not be deleted (each is named on stderr).")
     p.add_argument("root", metavar="ROOT")
     p.add_argument("--keep-last", type=int, required=True, metavar="K")
     p.add_argument("--keep-every", type=int, metavar="N", help="also keep steps that are multiples of N")
@@ -219,7 +221,9 @@ def run(args: argparse.Namespace) -> int:
         verb = "would remove" if args.dry_run else "removed"
         _print_json(rep) if args.json else print(
             f"{verb}: {', '.join(rep['removed']) or 'nothing'}; kept: {', '.join(rep['kept']) or 'nothing'}")
-        return 0
+        for f in rep["failed"]:
+            print(f"bcp prune: could not remove {f['name']}: {f['error']}", file=sys.stderr)
+        return 1 if rep["failed"] else 0
     if args.command == "report":
         from . import report
         rep = report.build(*report.read_records(args.path), op=args.op)

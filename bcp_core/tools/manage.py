@@ -6,8 +6,6 @@ from dataclasses import asdict
 
 from .. import layout
 from ..errors import ToolError
-from ..metadata import METADATA_FILE
-from ..storage import storage_for
 
 
 def list_checkpoints(root: str) -> list[dict]:
@@ -22,31 +20,12 @@ def latest_checkpoint(root: str) -> str:
 
 def prune_checkpoints(root: str, keep_last: int, keep_every: int | None = None, dry_run: bool = False) -> dict:
     """Delete complete checkpoints except the newest `keep_last`, every step divisible by `keep_every`,
-    and the latest one. Incomplete checkpoints older than the latest complete one are deleted (their
-    saves ended long ago); newer ones may be saves in progress and are kept."""
+    the tracker's and the latest; and incomplete ones older than the latest (`layout.prune`). What
+    could not be deleted is listed under "failed", each with the reason."""
     if keep_last < 1:
         raise ToolError("--keep-last must be at least 1")
-    st = storage_for(root)
-    ckpts = [e for e in layout.list_checkpoints(root) if e.name]
-    latest = next((c for c in ckpts if c.latest), None)
-    complete = [c for c in ckpts if c.complete]
-    keep = {c.name for c in complete[-keep_last:]}
-    if keep_every:
-        keep |= {c.name for c in complete if c.step % keep_every == 0}
-    if latest:
-        keep.add(latest.name)
-    remove, kept = [], []
-    for c in ckpts:
-        if c.complete:
-            (kept if c.name in keep else remove).append(c)
-        elif latest is not None and c.step < latest.step:
-            remove.append(c)
-        else:
-            kept.append(c)
-    if not dry_run:
-        for c in remove:
-            # Metadata first: a deletion cut short leaves an incomplete checkpoint, never a corrupt "complete" one.
-            if c.complete:
-                st.remove(f"{c.name}/{METADATA_FILE}")
-            st.remove(c.name)
-    return {"removed": [c.name for c in remove], "kept": [c.name for c in kept], "dry_run": dry_run}
+    if keep_every is not None and keep_every < 1:
+        raise ToolError("--keep-every must be at least 1")
+    result = layout.prune(root, keep_last, keep_every, dry_run=dry_run)
+    return {"removed": list(result.removed), "kept": list(result.kept), "dry_run": dry_run,
+            "failed": [{"name": name, "error": why} for name, why in result.failed]}
