@@ -69,11 +69,12 @@ def _tree_vs_flat(rank, world_size, root):
     for c in (tree, flat):
         got = {
             "gather": c.gather(msg, "plan"),
-            "broadcast": c.broadcast({"plan": list(range(5))} if rank == 0 else None),
-            "scatter": c.scatter([{"for": r, "w": [r] * r} for r in range(world_size)] if rank == 0 else None),
-            "all_gather": c.all_gather([rank, str(rank)]),
+            "broadcast": c.broadcast({"plan": list(range(5))} if rank == 0 else None, "bcast"),
+            "scatter": c.scatter([{"for": r, "w": [r] * r} for r in range(world_size)] if rank == 0 else None,
+                                 "scatter"),
+            "all_gather": c.all_gather([rank, str(rank)], "allgather"),
         }
-        c.barrier()
+        c.barrier("barrier")
         out[c is tree] = got
     assert out[True] == out[False]
     assert out[True]["scatter"] == {"for": rank, "w": [rank] * rank}

@@ -20,6 +20,8 @@ from ..engine import SAFETENSORS_DTYPES, ShardReader
 from ..errors import BCPError, ToolError
 from ..metadata import CheckpointMetadata, ObjectValue, TensorMeta, dtype_from_name, element_size
 from ..storage import Storage, storage_for
+from ..storage.base import temp_name
+from ..storage.local import local_path
 from .read import open_checkpoint, progress_bar, read_blocks, read_whole, sections
 from .rename import parse_rules, rename_map
 
@@ -191,7 +193,7 @@ def _export_torch(st, md, out_path, entries, model_only, rules, allow_pickle, nu
 
     if "://" in str(out_path) and not str(out_path).startswith("file://"):
         raise ToolError("--to torch writes a local file; give a local OUT path")
-    out_path = str(out_path).removeprefix("file://")
+    out_path = local_path(str(out_path))
     with FakeTensorMode():
         fakes = {e.name: torch.empty(e.tm.shape, dtype=e.dtype) for e in entries}
     state: dict[str, Any] = dict(fakes)
@@ -226,7 +228,7 @@ def _export_torch(st, md, out_path, entries, model_only, rules, allow_pickle, nu
                 walk(x)
 
     walk(state)
-    tmp = f"{out_path}.tmp.{os.getpid()}"
+    tmp = os.path.join(os.path.dirname(os.path.abspath(out_path)), temp_name(os.path.basename(out_path)))
     with torch.serialization.skip_data(materialize_fake_tensors=True):
         torch.save(state, tmp)
     reader = torch._C.PyTorchFileReader(tmp)
