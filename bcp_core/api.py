@@ -49,15 +49,15 @@ def save(path: str | os.PathLike, state: dict, framework: str = "auto", async_sa
       in the background for the next save. Pages training modifies before the child is done are
       copied by the kernel then (README, "Speed").
 
-    `handle.wait()` blocks until the
-    checkpoint is durable and committed. A save that fails on any rank is committed by none and
-    raises on every rank, naming the failing rank: from `wait()`, and if no `wait()` raised it,
-    from the next `save` of the same `role` (`PreviousSaveError`, raised once that next save is
-    under way: saves never drift apart between ranks). `on_commit(path)` runs on every rank once
-    the checkpoint is committed (an exception it raises is `wait()`'s `CommitCallbackError`; the
-    checkpoint stays committed). Every wait is bounded by `timeout`. Each `role` (e.g. "actor", "critic") has its own plan cache, staging
-    buffers and queue. A second save whose structure is unchanged reuses the cached plan and
-    performs no planning collective. `num_threads`: files this rank writes at once (default: its
+    `handle.wait()` blocks until the checkpoint is durable and committed. A save that fails on any
+    rank is committed by none and raises on every rank, naming the failing rank: from `wait()`,
+    and if no `wait()` raised it, from the next `save` of the same `role` (`PreviousSaveError`,
+    raised once that next save is under way: saves never drift apart between ranks).
+    `on_commit(path)` runs on every rank once the checkpoint is committed (an exception it raises
+    is `wait()`'s `CommitCallbackError`; the checkpoint stays committed). Every wait is bounded by
+    `timeout`. Each `role` (e.g. "actor", "critic") has its own plan cache, staging buffers and
+    queue. A save whose structure is unchanged on every rank reuses the cached plan: one small
+    exchange confirms it, no planning. `num_threads`: files this rank writes at once (default: its
     share of the host's cores, at most 4, so that background writes leave training its cores).
     """
     return get_checkpointer(role).save(

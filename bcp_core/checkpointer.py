@@ -586,6 +586,8 @@ class Checkpointer:
             ckpt.sync_dir()
             if job.tracker_name:
                 root.sync_dir()
+            else:
+                ckpt.sync_entry()
             ckpt.write_atomic(METADATA_FILE, gc_paused(md.dumps)())
             if job.tracker_name:
                 try:

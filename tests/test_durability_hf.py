@@ -6,14 +6,17 @@ exactly.
 Every test runs tests/jobs/hf_train.py on 2 ranks under torchrun (`use_cpu=True`: DDP on gloo; a
 tiny Llama with attention dropout), with `BCPTrainer` or with `BCPCallback` alone on a plain
 `Trainer`, and ends it as real jobs end: the script falling off its end, sys.exit or an uncaught
-exception right after `train()` saved at its last step; SIGTERM to torchrun mid-run. Afterwards
+exception right after `train()` saved at its last step; SIGTERM to torchrun mid-run; a save
+failing on one rank (faults injected with BCP_TEST_FAULT, tests/faults.py). Afterwards
 `bcp verify` passes and the checkpoint holds, bit for bit, what the job had when it saved.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -25,6 +28,7 @@ import torch  # noqa: E402
 
 import bcp_core as bcp  # noqa: E402
 from dist import Job, bcp_verify  # noqa: E402
+from faults import CommittedWatch  # noqa: E402
 
 STEPS = 16
 JOB = "hf_train.py"
@@ -70,8 +74,8 @@ def assert_holds(path: str, reference: str, step: int) -> None:
     assert torch.equal(got["rng"], ref["rng"])  # rank 0's RNG state at the save
 
 
-def _run(root, *args) -> tuple[int, str]:
-    job = Job(JOB, 2, "--root", str(root), *args, env=ENV)
+def _run(root, *args, env: dict | None = None) -> tuple[int, str]:
+    job = Job(JOB, 2, "--root", str(root), *args, env={**ENV, **(env or {})})
     return job.finish(timeout=180), job.output
 
 
@@ -142,3 +146,49 @@ def test_preemption_checkpoints_at_the_step_reached_and_resumes_exactly(tmp_path
     rc, out = _run(root, "--steps", str(STEPS), "--resume")
     assert rc == 0, out[-4000:]
     assert_holds(os.path.join(root, f"checkpoint-{STEPS}"), os.path.join(finished, f"reference_{STEPS}.pt"), STEPS)
+
+
+@pytest.mark.timeout(300)
+def test_save_total_limit_rotates_after_the_commit_and_a_failed_save_leaves_the_previous_checkpoint(tmp_path):
+    """BCPTrainer, save_steps=4, save_total_limit=1, asynchronous saves.
+
+    1. The last save (checkpoint-16) fails on rank 1 (ENOSPC); the save of checkpoint-12 is slow
+       on rank 0, and rank 0 learns of its commit late, after rank 1 has begun checkpoint-16 (its
+       directory exists when rank 0 rotates). Throughout, a committed checkpoint exists:
+       checkpoint-8 goes only once checkpoint-12 is committed, and checkpoint-12 is not taken for
+       an older one. train() raises, naming the save; checkpoint-12 passes `bcp verify` and holds
+       step 12's values.
+    2. Relaunched with `train(resume_from_checkpoint=True)`: it resumes from checkpoint-12 (the
+       failed checkpoint-16 is skipped), trains steps 13 to 16 only, reaching the first run's
+       step-16 state bit for bit; in the end only checkpoint-16 is left.
+    """
+    root = str(tmp_path)
+    first = tmp_path / "first_run"  # its reference files: the relaunch writes its own
+    args = ("--steps", str(STEPS), "--save-total-limit", "1")
+
+    def watch() -> CommittedWatch:
+        return CommittedWatch({"checkpoint-*": lambda: [os.path.join(root, n) for n in _checkpoints(root)]})
+
+    with watch() as watching:
+        rc, out = _run(root, *args, env={"BCP_TEST_FAULT": "slow:rank=0:save=3:seconds=2,"
+                                                           "slow-commit:rank=0:save=3:seconds=2,write:rank=1:save=4"})
+    assert rc != 0, out[-4000:]
+    # (torchrun ends the other worker once one has failed: it may not get to print its error)
+    assert re.search(rf"\[rank[01]\]: .*SaveError: save to {re.escape(root)}/checkpoint-16 failed and was not "
+                     r"committed: .*rank 1.*No space left on device", out), out[-4000:]
+    assert watching.violations == []
+    assert _checkpoints(root) == ["checkpoint-12", "checkpoint-16"]
+    assert not os.path.exists(os.path.join(root, "checkpoint-16", "bcp_metadata.json"))
+    assert_holds(os.path.join(root, "checkpoint-12"), os.path.join(root, "reference_12.pt"), 12)
+    first.mkdir()
+    for path in glob.glob(os.path.join(root, "reference_*.pt")):
+        os.rename(path, first / os.path.basename(path))
+
+    with watch() as watching:
+        rc, out = _run(root, *args, "--resume", env={"BCP_TEST_FAULT": "slow:rank=0:save=1:seconds=2"})
+    assert rc == 0, out[-4000:]
+    assert watching.violations == []
+    assert sorted(n for n in os.listdir(root) if n.startswith("reference_")) == \
+        sorted(f"reference_{s}.pt" for s in range(13, STEPS + 1))  # trained steps 13 to 16 only
+    assert _checkpoints(root) == [f"checkpoint-{STEPS}"]
+    assert_holds(os.path.join(root, f"checkpoint-{STEPS}"), str(first / f"reference_{STEPS}.pt"), STEPS)

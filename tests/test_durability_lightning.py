@@ -5,14 +5,18 @@ final checkpoint that `fit(ckpt_path="hpc")` resumes from exactly.
 Every test runs tests/jobs/lightning_train.py on 2 ranks under torchrun (DDP on gloo, a
 PackedTokenLoader, dropout) and ends it as real jobs end: the script falling off its end, sys.exit
 or an uncaught exception right after `trainer.save_checkpoint` following `fit`; SIGTERM to one
-worker while the job starts up and to torchrun while it trains. Afterwards `bcp verify` passes and
-each checkpoint holds, bit for bit, what the job had when it saved.
+worker while the job starts up and to torchrun while it trains; a save failing on one rank
+(faults injected with BCP_TEST_FAULT, tests/faults.py). Afterwards `bcp verify` passes and each
+checkpoint holds, bit for bit, what the job had when it saved.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
+import shutil
 import signal
 
 import pytest
@@ -23,6 +27,7 @@ import torch  # noqa: E402
 
 import bcp_core as bcp  # noqa: E402
 from dist import Job, bcp_verify  # noqa: E402
+from faults import CommittedWatch  # noqa: E402
 from jobs.lightning_train import TokenRegressor  # noqa: E402
 
 STEPS = 16
@@ -54,12 +59,13 @@ def _assert_same_training_state(want: dict, got: dict) -> None:
     assert want["optimizer"]["param_groups"] == got["optimizer"]["param_groups"]
 
 
-def assert_holds_reference(root: str, name: str, step: int) -> dict:
-    """Checkpoint `name` passes `bcp verify` and holds, bit for bit, what the job had at its save."""
+def assert_holds_reference(root: str, name: str, step: int, reference: str | None = None) -> dict:
+    """Checkpoint `name` passes `bcp verify` and holds, bit for bit, what the job had at its save
+    (or the values in `reference`)."""
     path = os.path.join(root, name)
     bcp_verify(path)
     got = load_job_state(path)
-    ref = torch.load(os.path.join(root, f"reference_{step}.pt"), weights_only=True)
+    ref = torch.load(reference or os.path.join(root, f"reference_{step}.pt"), weights_only=True)
     assert ref["global_step"] == step and got["lightning"]["global_step"] == step
     _assert_same_training_state(ref, got)
     assert got["lightning"]["lr_schedulers"] == [json.loads(json.dumps(ref["scheduler"]))]
@@ -67,8 +73,8 @@ def assert_holds_reference(root: str, name: str, step: int) -> dict:
     return got
 
 
-def _run(root, *args) -> tuple[int, str]:
-    job = Job(JOB, 2, "--root", str(root), *args)
+def _run(root, *args, env: dict | None = None) -> tuple[int, str]:
+    job = Job(JOB, 2, "--root", str(root), *args, env=env)
     return job.finish(timeout=180), job.output
 
 
@@ -160,3 +166,55 @@ def test_preemption_checkpoints_at_the_step_reached_and_resumes_exactly(tmp_path
     _assert_same_training_state(want, got)
     assert want["lightning"]["lr_schedulers"] == got["lightning"]["lr_schedulers"]
     assert torch.equal(want["rng"], got["rng"])
+
+
+def _watch_mc(mc: str) -> CommittedWatch:
+    """ModelCheckpoint's directory: its top-k checkpoints, and last.ckpt, each always hold a committed one."""
+    def top_k() -> list[str]:
+        found = glob.glob(os.path.join(mc, "step=*.ckpt"))
+        return sorted(found, key=lambda p: int(re.search(r"step=(\d+)", p).group(1)))
+    return CommittedWatch({"step=*.ckpt": top_k, "last.ckpt": lambda: [os.path.join(mc, "last.ckpt")]})
+
+
+@pytest.mark.timeout(400)
+def test_rotation_waits_for_the_commit_and_a_failed_save_leaves_the_previous_checkpoint(tmp_path):
+    """ModelCheckpoint(save_top_k=1, save_last=True) every 4 steps, asynchronous BCPCheckpointIO.
+
+    1. The job's save of step=16.ckpt fails on rank 1 (ENOSPC); its saves at step 8 are slow on
+       rank 0. Throughout, the top-k checkpoints and last.ckpt each hold a committed checkpoint:
+       the older top-k one and the previous last.ckpt go only once their successor is committed.
+       The job fails naming the save; step=12.ckpt and last.ckpt pass `bcp verify` and hold
+       step 12's values; the failed step=16.ckpt left nothing behind.
+    2. Relaunched with `fit(ckpt_path="last")` (its saves at step 16 slow on rank 0, and the
+       on_commit of step=16.ckpt raising on rank 1: that checkpoint is committed, rank 1 logs the
+       error and goes on with rank 0): it resumes from last.ckpt and reaches the first run's
+       step-16 state bit for bit; in the end only step=16.ckpt and last.ckpt are left.
+    """
+    root, mc = str(tmp_path), str(tmp_path / "mc")
+    args = ("--steps", str(STEPS), "--top-k", "1", "--save-last")
+    # saves 1-8: step=4.ckpt, last.ckpt, step=8.ckpt, last.ckpt, step=12.ckpt, last.ckpt, in_fit.ckpt, step=16.ckpt
+    with _watch_mc(mc) as watch:
+        rc, out = _run(root, *args, env={"BCP_TEST_FAULT": "slow:rank=0:save=3:seconds=2,"
+                                                           "slow:rank=0:save=4:seconds=2,write:rank=1:save=8"})
+    assert rc != 0, out[-4000:]
+    # (torchrun ends the other worker once one has failed: it may not get to print its error)
+    assert re.search(rf"\[rank[01]\]: .*SaveError: save to {re.escape(mc)}/step=16.ckpt\S* failed and was not "
+                     r"committed: .*rank 1.*No space left on device", out), out[-4000:]
+    assert watch.violations == []
+    assert sorted(os.listdir(mc)) == ["last.ckpt", "step=12.ckpt"]
+    for name in ("step=12.ckpt", "last.ckpt"):
+        assert_holds_reference(root, os.path.join("mc", name), 12)
+    uninterrupted = str(tmp_path / "uninterrupted_16.pt")  # the relaunch writes reference_16.pt again
+    shutil.copy(os.path.join(root, "reference_16.pt"), uninterrupted)
+
+    # saves 1-3 at step 16: in_fit.ckpt, step=16.ckpt, last.ckpt
+    with _watch_mc(mc) as watch:
+        rc, out = _run(root, *args, "--resume", "last", env={
+            "BCP_TEST_FAULT": "slow:rank=0:save=2:seconds=2,slow:rank=0:save=3:seconds=2,commit:rank=1:save=2"})
+    assert rc == 0, out[-4000:]
+    assert re.search(rf"bcp: {re.escape(mc)}/step=16.ckpt\S* was committed, but on_commit raised on rank 1", out)
+    assert f"Restoring states from the checkpoint path at {mc}/last.ckpt" in out
+    assert watch.violations == []
+    assert sorted(os.listdir(mc)) == ["last.ckpt", "step=16.ckpt"]
+    for name in ("step=16.ckpt", "last.ckpt"):
+        assert_holds_reference(root, os.path.join("mc", name), STEPS, reference=uninterrupted)

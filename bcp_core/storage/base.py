@@ -191,6 +191,10 @@ class Storage(ABC):
         the POSIX directory when this storage fsyncs; nothing on stores without directories."""
         return None
 
+    def sync_entry(self) -> None:
+        """Make this root's own entry in its parent directory durable (the parent's `sync_dir`)."""
+        return None
+
     def is_link(self, relpath: str) -> bool:
         """Whether relpath is a symbolic link (never, on stores without links)."""
         return False

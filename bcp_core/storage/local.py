@@ -387,6 +387,10 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
 
+    def sync_entry(self) -> None:
+        if self.fsync:
+            LocalStorage(os.path.dirname(os.path.abspath(self._path(""))), fsync=True).sync_dir()
+
     def is_link(self, relpath: str) -> bool:
         return os.path.islink(self._path(relpath))
 

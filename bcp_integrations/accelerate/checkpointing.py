@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import threading
 from typing import Any
 
@@ -11,7 +13,13 @@ from accelerate import Accelerator
 
 import bcp_core as bcp
 from bcp_core.dataloader import checkpointable
+from bcp_core.layout import StepNaming, prune, resolve
 from bcp_core.rng import rng_state, set_rng_state
+
+log = logging.getLogger("bcp")
+
+# Accelerate's automatic checkpoint naming: <project_dir>/checkpoints/checkpoint_<iteration>
+ACCELERATE_STEPS = StepNaming("checkpoint_{}", r"^checkpoint_(\d+)$")
 
 # What Accelerate itself would write or read in save_state/load_state. While a registered
 # accelerator's save_state/load_state runs, these look empty to Accelerate's own code, so that it
@@ -23,6 +31,11 @@ _active = threading.local()  # .checkpointer during a registered save_state/load
 
 class BCPAccelerateCheckpointer:
     """Created by `register`. `wait()` blocks until the last asynchronous save is committed.
+
+    With automatic checkpoint naming, ``ProjectConfiguration(total_limit=N)`` is applied once a new
+    checkpoint is committed (Accelerate itself deletes the old folders before saving, which would
+    leave no checkpoint if the save then failed), and ``load_state()`` loads the newest committed
+    checkpoint.
 
     With ``preemption=True``, ``preemption`` is bcp's `Preemption` (SIGTERM handler) and
     ``stop_requested()`` is the check the training loop makes once per step (Accelerate has no
@@ -37,17 +50,24 @@ class BCPAccelerateCheckpointer:
         self.last_save: bcp.SaveHandle | None = None
         self.preemption: bcp.Preemption | None = bcp.handle_preemption() if preemption else None
         self._real: dict[str, Any] | None = None
+        self._total_limit: int | None = None  # the project's, hidden from Accelerate during a call
         self._loaded_step: int | None = None
         self.handles = [accelerator.register_save_state_pre_hook(self._save_hook),
                         accelerator.register_load_state_pre_hook(self._load_hook)]
         accelerator.save_state = self._wrap(accelerator.save_state)
-        accelerator.load_state = self._wrap(accelerator.load_state, wait_first=True)
+        accelerator.load_state = self._wrap(self._newest_committed(accelerator.load_state), wait_first=True)
         accelerator.end_training = self._wrap_end(accelerator.end_training)
 
     def wait(self) -> None:
         handle, self.last_save = self.last_save, None
-        if handle is not None:
+        if handle is None:
+            return
+        try:
             handle.wait()
+        except bcp.CommitCallbackError as e:
+            # Committed on every process; only this one's rotation after it failed. Raising here, on
+            # one process alone, would leave the others waiting for it in the next save.
+            log.error("bcp: %s", e)
 
     def stop_requested(self) -> bool:
         """Call once per step on every process: True on all of them at the same step once any
@@ -65,11 +85,13 @@ class BCPAccelerateCheckpointer:
             if wait_first:
                 self.wait()
             acc = self.accelerator
+            config = acc.project_configuration
             self._real = {name: getattr(acc, name) for name in _HIDDEN}
             self._real["scaler"] = acc.scaler
             for name in _HIDDEN:
                 setattr(acc, name, [])
             acc.scaler = None
+            self._total_limit, config.total_limit = config.total_limit, None  # rotated after the commit
             _active.checkpointer = self
             try:
                 return method(*args, **kwargs)
@@ -78,6 +100,18 @@ class BCPAccelerateCheckpointer:
                 for name, value in self._real.items():
                     setattr(acc, name, value)
                 self._real = None
+                config.total_limit = self._total_limit
+        return call
+
+    def _newest_committed(self, load_state):
+        """``load_state()`` with automatic checkpoint naming: the newest *committed* checkpoint, not
+        the highest-numbered folder (Accelerate's pick), which may be a save that failed."""
+        @functools.wraps(load_state)
+        def call(input_dir=None, **kwargs):
+            acc = self.accelerator
+            if input_dir is None and acc.project_configuration.automatic_checkpoint_naming:
+                input_dir = resolve(os.path.join(acc.project_dir, "checkpoints"), ACCELERATE_STEPS).root
+            return load_state(input_dir, **kwargs)
         return call
 
     def _wrap_end(self, method):
@@ -117,7 +151,13 @@ class BCPAccelerateCheckpointer:
         state["extra_state"] = {"rng": rng_state(), "step": self.accelerator.step,
                                 "data_position": [_loader_position(dl) for dl in self._real["_dataloaders"]]}
         state.update(self._stateful_loaders())
-        self.last_save = bcp.save(output_dir, state, async_save=self.async_save, num_threads=self.num_threads)
+        rotate = None
+        acc = self.accelerator
+        if acc.project_configuration.automatic_checkpoint_naming and self._total_limit is not None \
+                and acc.is_main_process:
+            rotate = functools.partial(_rotate, os.path.dirname(output_dir), self._total_limit)
+        self.last_save = bcp.save(output_dir, state, async_save=self.async_save, num_threads=self.num_threads,
+                                  on_commit=rotate)
         weights.clear()  # Accelerate's own model files
 
     def _load_hook(self, models, input_dir) -> None:
@@ -185,6 +225,20 @@ def _install_skips() -> None:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+def _rotate(root: str, total_limit: int, committed: str) -> None:
+    """`total_limit` applied to `root` once `committed` is (the save's on_commit, main process): the
+    newest `total_limit` committed checkpoint_<n> folders stay, older ones and the leftovers of
+    failed saves go (`bcp_core.layout.prune`). Errors are logged, never raised: the checkpoint is
+    committed."""
+    try:
+        failed = prune(root, max(total_limit, 1), naming=ACCELERATE_STEPS).failed
+    except Exception as e:  # noqa: BLE001 - see above
+        failed = (("", str(e)),)
+    for name, why in failed:
+        log.warning("bcp: total_limit=%d: after %s was committed, could not remove %s under %s: %s", total_limit,
+                    committed, name or "the old checkpoints", root, why)
+
 
 def _unwrap(obj):
     """The torch optimizer / scheduler under Accelerate's wrappers; models stay wrapped (DDP/FSDP)."""

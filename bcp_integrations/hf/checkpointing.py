@@ -12,18 +12,19 @@ import functools
 import json
 import logging
 import os
+import shutil
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import SaveStrategy, rotate_checkpoints
+from transformers.trainer_utils import SaveStrategy
 from transformers.utils import (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME,
                                 SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME)
 
 import bcp_core as bcp
 from bcp_core import metrics
 from bcp_core.dataloader import checkpointable
-from bcp_core.layout import HF_STEPS, latest_complete
+from bcp_core.layout import HF_STEPS, latest_complete, list_checkpoints
 from bcp_core.rng import rng_state, set_rng_state
 from bcp_core.utils import this_rank
 
@@ -179,8 +180,7 @@ class BCPCallback(TrainerCallback):
         run_dir, limit, best = rotation
         if limit is not None and _is_main_process():
             # only after the commit: a failed save must never cost the older checkpoints
-            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best,
-                               use_mtime=False)
+            _rotate(run_dir, limit, best)
 
 
 class BCPTrainerMixin:
@@ -396,6 +396,23 @@ def _is_main_process() -> bool:
     return this_rank() == 0
 
 
-
-
-
+def _rotate(run_dir: str, save_total_limit: int, best_model_checkpoint: str | None) -> None:
+    """`save_total_limit` by HF's rule (the newest and the best checkpoint stay, the oldest others go
+    until the limit is met), counting committed checkpoints only: the other ranks may already have
+    created the next save's directory, which HF's own `rotate_checkpoints` would keep as the newest
+    in place of the one just committed. Incomplete directories older than the newest committed one
+    (saves that failed) go too."""
+    entries = list_checkpoints(run_dir, HF_STEPS)
+    committed = [e for e in entries if e.complete]
+    if save_total_limit <= 0 or not committed:
+        return  # HF: no limit
+    best = os.path.normpath(best_model_checkpoint) if best_model_checkpoint else None
+    others = [e for e in committed[:-1] if os.path.normpath(e.path) != best]
+    keep = max(save_total_limit, len(committed) - len(others))
+    doomed = others[:max(0, len(committed) - keep)]
+    doomed += [e for e in entries if not e.complete and e.step < committed[-1].step]
+    for entry in doomed:
+        try:
+            shutil.rmtree(entry.path)
+        except OSError as e:  # the checkpoint is committed; rotation is housekeeping
+            log.warning("bcp: save_total_limit=%d: could not remove %s: %s", save_total_limit, entry.path, e)

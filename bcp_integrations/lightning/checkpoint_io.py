@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import posixpath
 import re
 import signal
 import threading
@@ -26,6 +28,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 import bcp_core as bcp
 from bcp_core import codec, metrics
 from bcp_core.dataloader import loadable_loader_state, saved_loader_state
+from bcp_core.layout import BCP_STEPS
+from bcp_core.metadata import METADATA_FILE, TRACKER_FILE
 from bcp_core.rng import rng_state, set_rng_state
 
 log = logging.getLogger("bcp")
@@ -39,9 +43,16 @@ SUPPORTED_STRATEGIES = (DDPStrategy, ModelParallelStrategy, FSDPStrategy, Single
 class BCPCheckpointIO(CheckpointIO):
     """Checkpoints written and read by bcp on every rank, sharded, asynchronous by default.
 
+    Each checkpoint path (``step=4.ckpt``, ``last.ckpt``) is a directory holding one bcp checkpoint
+    per save in a step directory, with bcp's ``latest`` tracker: a new save to a path (``last.ckpt``
+    at every ``ModelCheckpoint`` save) replaces the previous one only once it is committed.
+    Removals Lightning asks for while a save is in flight (``save_top_k``) wait for that save's
+    commit too; if it fails they are not made, and its directory is removed if it holds nothing
+    committed. Nothing loadable is deleted before a newer checkpoint is committed.
+
     Args:
         async_save: return from a save once the state is staged; the write continues in the
-            background. The next save, a removal of that path, a load and teardown wait for it.
+            background. The next save, a load and teardown wait for it.
         allow_pickle: let values bcp's safe codec cannot represent (unusual ``hparams``) be
             pickled; loading such a checkpoint then needs ``allow_pickle=True`` too.
         save_rng: also save each rank's RNG states (torch, CUDA, ``random``, numpy) and restore
@@ -68,6 +79,7 @@ class BCPCheckpointIO(CheckpointIO):
         self.preemption: bcp.Preemption | None = bcp.handle_preemption() if preemption else None
         self._pending: bcp.SaveHandle | None = None
         self._pending_path: str | None = None
+        self._after_commit: _AfterCommit | None = None  # rank 0: the removals the save in flight holds back
         self._metrics: metrics.LatestScalars | None = None  # created on first use (it holds a lock)
         # Lightning's spawn launcher moves rank 0's results to the main process through the
         # CheckpointIO as a single file; those direct calls stay plain torch files.
@@ -93,11 +105,12 @@ class BCPCheckpointIO(CheckpointIO):
         return self._files.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
     def remove_checkpoint(self, path) -> None:
-        if self._pending_path is not None and os.fspath(path) == self._pending_path:
+        path = os.fspath(path)
+        if path == self._pending_path:
             self.wait()
-        fs = get_filesystem(path)
-        if fs.exists(path):
-            fs.rm(path, recursive=True)
+        elif self._after_commit is not None and self._after_commit.defer(path):
+            return  # removed once the save in flight is committed
+        _remove(path)
 
     def teardown(self) -> None:
         self.wait()
@@ -106,9 +119,27 @@ class BCPCheckpointIO(CheckpointIO):
 
     def wait(self) -> None:
         """Block until the save in flight, if any, is durable and committed; re-raise its error."""
-        handle, self._pending, self._pending_path = self._pending, None, None
-        if handle is not None:
-            handle.wait()
+        handle, self._pending = self._pending, None
+        self._settle(handle.wait if handle is not None else None)
+
+    def _settle(self, finish) -> None:
+        """Run `finish` (the save in flight, up to its commit) and forget that save. A failed save
+        leaves in place what it was to supersede."""
+        path, after = self._pending_path, self._after_commit
+        self._pending_path, self._after_commit = None, None
+        if finish is None:
+            return
+        try:
+            finish()
+        except bcp.CommitCallbackError as e:
+            # Committed on every rank; only what followed the commit on this rank failed. Raising here,
+            # on this rank alone, would leave the other ranks waiting for it in the next collective.
+            log.error("bcp: %s", e)
+        except bcp.BCPError:
+            if after is not None:  # rank 0
+                after.abandon()
+                _discard_failed(path)
+            raise
 
     def save_all_ranks(self, strategy: Strategy, checkpoint: dict[str, Any], path, storage_options=None) -> None:
         if storage_options is not None:
@@ -131,10 +162,22 @@ class BCPCheckpointIO(CheckpointIO):
         state["lightning"] = json.dumps(encoded)
         if self.save_rng:
             state["extra_state"] = {"rng": rng_state()}
-        handle = bcp.save(path, state, async_save=self.async_save, allow_pickle=self.allow_pickle,
-                          num_threads=self.num_threads)
-        if self.async_save:
-            self._pending, self._pending_path = handle, os.fspath(path)
+        # Each save goes to a step directory inside `path`, so a new save to a path that holds a
+        # checkpoint (last.ckpt) leaves that one in place until the new one is committed: bcp's
+        # tracker moves at the commit, and `_AfterCommit` removes the old one after it (rank 0).
+        self._pending_path = os.fspath(path)
+        self._after_commit = _AfterCommit(self._pending_path) if strategy.is_global_zero else None
+        save = functools.partial(bcp.save, path, state, async_save=self.async_save,
+                                 step=int(checkpoint.get("global_step", 0)), allow_pickle=self.allow_pickle,
+                                 num_threads=self.num_threads, on_commit=self._after_commit)
+        if not self.async_save:
+            self._settle(save)
+            return
+        try:
+            self._pending = save()  # the save's own errors come from wait()
+        except BaseException:
+            self._settle(None)
+            raise
 
     def log_metrics(self, strategy: Strategy) -> None:
         """Hand the phase timings of the last committed save (and load) to the trainer's loggers,
@@ -276,6 +319,82 @@ class PreemptionCheckpoint(Callback):
                     trainer.global_step, reason, path)
         trainer.save_checkpoint(path)
         self.preemption.exit()
+
+
+class _AfterCommit:
+    """Rank 0's removals that wait for one save's commit: the previous checkpoint at its path, and
+    the checkpoints Lightning asked to remove meanwhile (``save_top_k``). Called as the save's
+    ``on_commit`` (on bcp's save thread); removal errors are logged, never raised: the checkpoint
+    is committed, and an error on rank 0 alone must not set the ranks apart."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.removals: list[str] = []
+        self.committed = False
+        self._lock = threading.Lock()  # Lightning's thread defers, the save thread commits
+
+    def defer(self, path: str) -> bool:
+        """Hold `path`'s removal back until the commit; False if the save is committed already."""
+        with self._lock:
+            if not self.committed:
+                self.removals.append(path)
+            return not self.committed
+
+    def abandon(self) -> None:
+        """The save failed: what it was to replace stays."""
+        with self._lock:
+            kept, self.removals, self.committed = self.removals, [], True
+        if kept:
+            log.warning("bcp: kept %s: the save to %s that was to supersede them failed", ", ".join(kept), self.path)
+
+    def __call__(self, checkpoint_dir: str) -> None:
+        with self._lock:
+            removals, self.removals, self.committed = self.removals, [], True
+        try:
+            fs = get_filesystem(self.path)
+            for entry in _superseded(fs, self.path, posixpath.basename(checkpoint_dir.rstrip("/"))):
+                fs.rm(entry, recursive=True)
+        except Exception as e:  # noqa: BLE001 - see the class doc
+            log.warning("bcp: could not remove the previous checkpoint in %s after %s was committed: %s",
+                        self.path, checkpoint_dir, e)
+        for path in removals:
+            try:
+                _remove(path)
+            except Exception as e:  # noqa: BLE001 - see the class doc
+                log.warning("bcp: could not remove %s after %s was committed: %s", path, checkpoint_dir, e)
+
+
+def _superseded(fs, path: str, committed: str) -> list[str]:
+    """What `path` holds from before the checkpoint just committed in it: the previous save to this
+    path (its step directory, or, in the layout of bcp before step directories, the checkpoint's
+    files themselves: their metadata first, so the tracker takes over at once). The tracker and
+    step directories of later steps (a next save to this path that the other ranks have begun)
+    stay."""
+    def name(entry: str) -> str:
+        return posixpath.basename(entry.rstrip("/"))
+
+    def older(entry: str) -> bool:
+        step = BCP_STEPS.step_of(name(entry))
+        return name(entry) != TRACKER_FILE and (step is None or step < BCP_STEPS.step_of(committed))
+
+    return sorted(filter(older, fs.ls(path, detail=False)), key=lambda e: name(e) != METADATA_FILE)
+
+
+def _remove(path: str) -> None:
+    fs = get_filesystem(path)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+def _discard_failed(path: str | None) -> None:
+    """Remove the directory of a failed save that holds no committed checkpoint: Lightning saves to
+    that path again only by chance, and would otherwise pick another name (``-v1``) next to it."""
+    if path is None or _is_bcp_checkpoint(path):
+        return  # a previous checkpoint stays; its failed step directory is cleared by the next commit there
+    try:
+        _remove(path)
+    except Exception as e:  # noqa: BLE001 - the save's own error is the one raised
+        log.warning("bcp: could not remove %s after its save failed: %s", path, e)
 
 
 def _drop_lightning_sigterm_notifier(connector) -> None:

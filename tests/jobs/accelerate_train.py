@@ -2,16 +2,22 @@
 real jobs end.
 
     torchrun --nproc_per_node 2 tests/jobs/accelerate_train.py --root DIR [--steps N] [--end HOW]
-        [--preemption] [--resume DIR] [--step-delay S]
+        [--save-every K] [--total-limit L] [--preemption] [--resume DIR | --resume-newest] [--step-delay S]
 
 The only bcp line is `register(accelerator, ...)`; checkpoints are `accelerator.save_state(dir)`
-(asynchronous, the integration's default) into DIR/step_<step>. --end: how the process ends right
-after its last save_state: "script" (falls off the end), "end_training" (`accelerator.end_training()`,
-then falls off the end), "sys_exit" (sys.exit(0)), "exception" (an uncaught exception). With
+(asynchronous, the integration's default) into DIR/step_<step>, at the last step and every
+--save-every steps. With --total-limit, Accelerate names them instead:
+`ProjectConfiguration(project_dir=DIR, automatic_checkpoint_naming=True, total_limit=L)` and
+`save_state()` write DIR/checkpoints/checkpoint_<i>. --end: how the process ends right after its
+last save_state: "script" (falls off the end), "end_training" (`accelerator.end_training()`, then
+falls off the end), "sys_exit" (sys.exit(0)), "exception" (an uncaught exception). With
 --preemption, `register(accelerator, preemption=True)`: on SIGTERM the job saves at the step every
 process agrees on and exits 143. Each step writes DIR/progress_rank<r> ("<step reached> <pid>");
 DIR/reference_<step>.pt holds, from process 0, the values the checkpoint of <step> must hold.
---resume DIR continues from `accelerator.load_state(DIR)` to --steps.
+--resume DIR continues from `accelerator.load_state(DIR)` to --steps; --resume-newest from
+`accelerator.load_state()` (the newest checkpoint; DIR/resumed.pt: the values loaded), then numbers
+its checkpoints after the existing ones, as Accelerate leaves that to the script. BCP_TEST_FAULT
+injects faults into the saves (tests/faults.py).
 """
 
 from __future__ import annotations
@@ -24,10 +30,13 @@ import time
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import ProjectConfiguration, set_seed
 from torch import nn
 
 from bcp_integrations.accelerate import register
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import faults  # noqa: E402 - tests/faults.py
 
 
 class Progress:
@@ -76,28 +85,46 @@ def main() -> None:
     p.add_argument("--root", required=True)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--end", default="script", choices=["script", "end_training", "sys_exit", "exception"])
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--total-limit", type=int, default=None, help="automatic checkpoint naming with this total_limit")
     p.add_argument("--preemption", action="store_true")
     p.add_argument("--resume", default=None, help="accelerator.load_state directory")
+    p.add_argument("--resume-newest", action="store_true", help="accelerator.load_state()")
     p.add_argument("--step-delay", type=float, default=0.0)
     args = p.parse_args()
+    faults.install_from_env()
 
-    accelerator = Accelerator(cpu=True)
+    project = None
+    if args.total_limit is not None:
+        project = ProjectConfiguration(project_dir=args.root, automatic_checkpoint_naming=True,
+                                       total_limit=args.total_limit)
+    accelerator = Accelerator(cpu=True, project_config=project)
     ckpt = register(accelerator, preemption=args.preemption)
     set_seed(0)
     model, opt, sched, progress, bulk = build()
     model, opt, sched = accelerator.prepare(model, opt, sched)
     accelerator.register_for_checkpointing(progress)
     accelerator.register_for_checkpointing(bulk)
-    if args.resume:
-        accelerator.load_state(args.resume)
     rank = accelerator.process_index
 
-    def save(step: int) -> None:
-        accelerator.save_state(os.path.join(args.root, f"step_{step:08d}"))
-        if accelerator.is_main_process:  # what the checkpoint must hold, bit for bit
+    def record(name: str) -> None:
+        """From process 0: the values a checkpoint taken now holds, bit for bit."""
+        if accelerator.is_main_process:
             torch.save({"model": accelerator.unwrap_model(model).state_dict(), "optimizer": opt.state_dict(),
                         "scheduler": sched.state_dict(), "step": progress.step, "rng": torch.get_rng_state()},
-                       os.path.join(args.root, f"reference_{step}.pt"))
+                       os.path.join(args.root, name))
+
+    if args.resume:
+        accelerator.load_state(args.resume)
+    if args.resume_newest:
+        accelerator.load_state()
+        names = os.listdir(os.path.join(args.root, "checkpoints"))
+        accelerator.project_configuration.iteration = 1 + max(int(n.rsplit("_", 1)[1]) for n in names)
+        record("resumed.pt")
+
+    def save(step: int) -> None:
+        accelerator.save_state(None if project else os.path.join(args.root, f"step_{step:08d}"))
+        record(f"reference_{step}.pt")
 
     while progress.step < args.steps:
         x, y = batch(progress.step, rank)
@@ -113,6 +140,8 @@ def main() -> None:
         if args.preemption and ckpt.stop_requested():
             save(progress.step)
             ckpt.preemption.exit()  # commits the save, exits 143
+        if args.save_every and progress.step % args.save_every == 0 and progress.step < args.steps:
+            save(progress.step)
 
     save(progress.step)
     if args.end == "end_training":

@@ -2,19 +2,21 @@
 ways real jobs end.
 
     torchrun --nproc_per_node 2 tests/jobs/hf_train.py --root DIR [--steps N] [--save-steps K]
-        [--trainer bcp|callback] [--end HOW] [--preemption] [--resume] [--step-delay S]
+        [--save-total-limit L] [--trainer bcp|callback] [--end HOW] [--preemption] [--resume] [--step-delay S]
 
 A tiny Llama (built from a config, attention dropout so the RNG states matter) trains on 32 fixed
 sequences, 2 per rank per step (an epoch is 8 steps). --trainer: "bcp" is
 `BCPTrainer(callbacks=[BCPCallback(...)])`, "callback" a plain `Trainer` with `BCPCallback(...)`;
 either way the Trainer saves DIR/checkpoint-<step> every --save-steps steps and at the last one
-(through bcp, asynchronously), then `train()` returns and the script ends, --end: "script" (falls
+(through bcp, asynchronously; `save_total_limit=L` with --save-total-limit), then `train()`
+returns and the script ends, --end: "script" (falls
 off the end), "sys_exit" (sys.exit(0)), "exception" (an uncaught exception). With --preemption,
 `BCPCallback(preemption=True)`: SIGTERM leads to checkpoint-<step> at the step every rank stops at,
 and exit 143; --resume continues with `BCPTrainer.train(resume_from_checkpoint=True)`.
 Each optimizer step writes DIR/progress_rank<r> ("<step> <pid>") and then waits --step-delay; at
 each step's end rank 0 writes DIR/reference_<step>.pt, the values a checkpoint of that step
-holds (the optimizer's state by parameter name, as bcp saves it).
+holds (the optimizer's state by parameter name, as bcp saves it). BCP_TEST_FAULT injects faults
+into the saves (tests/faults.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from bcp_integrations.hf import BCPCallback, BCPTrainer  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import faults  # noqa: E402 - tests/faults.py
 
 MODEL = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
              num_key_value_heads=2, max_position_embeddings=32, attention_dropout=0.1)
@@ -82,6 +87,7 @@ def main() -> None:
     p.add_argument("--root", required=True)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--save-steps", type=int, default=4)
+    p.add_argument("--save-total-limit", type=int, default=None)
     p.add_argument("--trainer", default="bcp", choices=["bcp", "callback"])
     p.add_argument("--end", default="script", choices=["script", "sys_exit", "exception"])
     p.add_argument("--preemption", action="store_true")
@@ -90,9 +96,11 @@ def main() -> None:
     args = p.parse_args()
     if args.resume and args.trainer != "bcp":
         p.error("--resume needs --trainer bcp: a plain Trainer cannot read bcp checkpoints")
+    faults.install_from_env()
 
     targs = TrainingArguments(output_dir=args.root, use_cpu=True, per_device_train_batch_size=2,
                               max_steps=args.steps, save_strategy="steps", save_steps=args.save_steps,
+                              save_total_limit=args.save_total_limit,
                               learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=2, report_to="none",
                               disable_tqdm=True, seed=0, dataloader_num_workers=0)
     callbacks = [Job(args), BCPCallback(preemption=args.preemption)]

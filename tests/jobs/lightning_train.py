@@ -2,17 +2,20 @@
 jobs end.
 
     torchrun --nproc_per_node 2 tests/jobs/lightning_train.py --root DIR [--steps N] [--end HOW]
-        [--preemption] [--resume] [--step-delay S] [--start-delay S]
+        [--top-k K] [--save-last] [--preemption] [--resume [hpc|last]] [--step-delay S] [--start-delay S]
 
 The only bcp line is `Trainer(plugins=[BCPCheckpointIO(...)])`; its saves are asynchronous (the
 default). The model trains on bcp's PackedTokenLoader (its position is in the checkpoint, so a
 mid-epoch resume is exact) with dropout (so the RNG states matter). Checkpoints, all to DIR:
-`ModelCheckpoint(every_n_train_steps=4)` -> mc/step=<s>.ckpt; `trainer.save_checkpoint` inside
+`ModelCheckpoint(every_n_train_steps=4, save_top_k=K, save_last=...)` -> mc/step=<s>.ckpt (every one by
+default, the best K by --top-k: the newest, as nothing is monitored) and with --save-last mc/last.ckpt
+at each of them; `trainer.save_checkpoint` inside
 fit at the last step, from a callback -> in_fit.ckpt; `trainer.save_checkpoint` after fit returns
 -> after_fit.ckpt. Then the script ends right after that last save, --end: "script" (falls off the
 end), "sys_exit" (sys.exit(0)), "exception" (an uncaught exception).
 With --preemption, `BCPCheckpointIO(preemption=True)`: SIGTERM leads to hpc_ckpt_<n>.ckpt at the
-step every rank stops at, and exit 143; --resume continues with `fit(ckpt_path="hpc")`.
+step every rank stops at, and exit 143; --resume continues with `fit(ckpt_path="hpc")`, --resume last
+with `fit(ckpt_path="last")`. BCP_TEST_FAULT injects faults into the saves (tests/faults.py).
 Each step writes DIR/progress_rank<r> ("<global step> <pid>", "0 <pid>" while --start-delay holds
 the job in on_fit_start, before Lightning installs its SIGTERM handler); every save writes, from
 rank 0, DIR/reference_<global step>.pt: the values the checkpoint must hold, taken at the save.
@@ -33,6 +36,9 @@ from torch import nn
 
 from bcp_core.dataloader import PackedTokenLoader
 from bcp_integrations.lightning import BCPCheckpointIO
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import faults  # noqa: E402 - tests/faults.py
 
 VOCAB = 64
 # documents of distinct token ids: about 30 batches per rank, so every run stays in one epoch
@@ -98,20 +104,24 @@ def main() -> None:
     p.add_argument("--root", required=True)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--end", default="script", choices=["script", "sys_exit", "exception"])
+    p.add_argument("--top-k", type=int, default=-1, help="ModelCheckpoint(save_top_k=...)")
+    p.add_argument("--save-last", action="store_true", help="ModelCheckpoint(save_last=True)")
     p.add_argument("--preemption", action="store_true")
-    p.add_argument("--resume", action="store_true", help='fit(ckpt_path="hpc")')
+    p.add_argument("--resume", nargs="?", const="hpc", choices=["hpc", "last"], help="fit(ckpt_path=...)")
     p.add_argument("--step-delay", type=float, default=0.0)
     p.add_argument("--start-delay", type=float, default=0.0)
     args = p.parse_args()
+    faults.install_from_env()
 
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=args.steps, max_epochs=1,
                         plugins=[BCPCheckpointIO(preemption=args.preemption)],
                         callbacks=[Job(args), ModelCheckpoint(dirpath=os.path.join(args.root, "mc"), filename="{step}",
-                                                              every_n_train_steps=4, save_top_k=-1)],
+                                                              every_n_train_steps=4, save_top_k=args.top_k,
+                                                              save_last=args.save_last or None)],
                         default_root_dir=args.root, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, deterministic=True)
-    trainer.fit(TokenRegressor(), ckpt_path="hpc" if args.resume else None)
+    trainer.fit(TokenRegressor(), ckpt_path=args.resume)
     trainer.save_checkpoint(os.path.join(args.root, "after_fit.ckpt"))
     if args.end == "sys_exit":
         sys.exit(0)
