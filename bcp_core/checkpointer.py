@@ -201,6 +201,9 @@ class Checkpointer:
             handle = SaveHandle(job.ckpt.root if job.ckpt is not None else sid.path, future, rec)
             if future.exception() is not None:
                 handle._error_seen = True
+                for earlier_handle, exc in earlier:  # this save's own error is the one raised
+                    log.error("bcp: an earlier asynchronous save to %s failed and was not committed: %s",
+                              earlier_handle.path, exc)
                 raise future.exception()
         if earlier:
             raise _previous_error(earlier, job, handle)
