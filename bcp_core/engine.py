@@ -1,7 +1,8 @@
 """Executes plans against a Storage: writes data files, reads byte ranges back.
 
 Data files use safetensors framing (docs/format.md). Writes and reads run in a
-thread pool; file I/O, CRC-32 and tensor copies release the GIL.
+thread pool; file I/O, checksums and tensor copies release the GIL. A load reads
+into staging and verifies before anything goes into place (`LoadStaging`).
 """
 
 from __future__ import annotations
@@ -245,12 +246,9 @@ def item_span(item: ReadItem, block: int, verify: bool) -> tuple[int, int]:
     return lo, hi
 
 
-def copy_from_span(item: ReadItem, buf: torch.Tensor, span_lo: int, files: tuple[str, ...], block: int,
-                   verify: bool, skip: Container[tuple[str, int]] = ()) -> None:
-    """Verify `buf` (piece bytes from `span_lo`) and copy the item's elements into its destination."""
+def copy_span(item: ReadItem, buf: torch.Tensor, span_lo: int) -> None:
+    """Copy the item's elements out of `buf` (its piece's bytes from piece offset `span_lo`) into its destination."""
     p = item.piece
-    if verify:
-        _verify(tensor_bytes(buf), span_lo, item, files[p.file], block, skip)
     esize = item.dest.element_size()
     strides = _contiguous_strides(p.lengths)
     rel = [o - po for o, po in zip(item.offsets, p.offsets)]
@@ -261,12 +259,21 @@ def copy_from_span(item: ReadItem, buf: torch.Tensor, span_lo: int, files: tuple
         item.dest.detach().copy_(src)
 
 
+def copy_from_span(item: ReadItem, buf: torch.Tensor, span_lo: int, files: tuple[str, ...], block: int,
+                   verify: bool, skip: Container[tuple[str, int]] = ()) -> None:
+    """Verify `buf` (piece bytes from `span_lo`) and copy the item's elements into its destination."""
+    if verify:
+        _verify(tensor_bytes(buf), span_lo, item, files[item.piece.file], block, skip)
+    copy_span(item, buf, span_lo)
+
+
 class FileMaps:
-    """Memory maps of the data files one load reads scattered parts of, opened once per file.
+    """Memory maps of the data files one load reads, opened once per file.
 
     A resharded read needs a strided part of a saved piece (half of every row, say). From a map
     the copy reads those bytes straight from the page cache, instead of first copying the whole
-    span into a temporary buffer.
+    span into a temporary buffer. A map is also a load's staging for free: its bytes are verified
+    where they lie and copied into place later (`LoadStaging`).
     """
 
     def __init__(self, storage: Storage):
@@ -283,19 +290,29 @@ class FileMaps:
                     self._maps[file] = None  # fall back to reads, which report the problem
             return self._maps[file]
 
-
-@metrics.timed("read", nbytes=lambda buf, *_: buf.numel())
-def read_span(storage: Storage, files: tuple[str, ...], item: ReadItem, lo: int, hi: int,
-              maps: FileMaps | None = None) -> torch.Tensor:
-    p = item.piece
-    mapped = maps.get(files[p.file]) if maps is not None else None
-    if mapped is not None and p.byte_offset + hi <= len(mapped):
-        # read-only view of the page cache; only ever read from (verify, copy)
+    def view(self, file: str, offset: int, nbytes: int) -> torch.Tensor | None:
+        """Bytes [offset, offset + nbytes) of `file` as a read-only tensor over its map; None if the
+        file has no map or is shorter (a read then reports it)."""
+        mapped = self.get(file)
+        if mapped is None or offset + nbytes > len(mapped):
+            return None
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer"
-            return torch.frombuffer(mapped[p.byte_offset + lo:p.byte_offset + hi], dtype=torch.uint8) \
-                if hi > lo else torch.empty(0, dtype=torch.uint8)
-    buf = torch.empty(hi - lo, dtype=torch.uint8)
+            warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": only ever read from
+            return torch.frombuffer(mapped[offset:offset + nbytes], dtype=torch.uint8)
+
+
+@metrics.timed("read", nbytes=lambda buf, *_, **__: buf.numel())
+def read_span(storage: Storage, files: tuple[str, ...], item: ReadItem, lo: int, hi: int,
+              maps: FileMaps | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Bytes [lo, hi) of the item's piece: a view of its file's map if there is one, else read into
+    `out` (or a new buffer)."""
+    p = item.piece
+    mapped = maps.view(files[p.file], p.byte_offset + lo, hi - lo) if maps is not None else None
+    if mapped is not None:
+        return mapped
+    buf = out if out is not None else torch.empty(hi - lo, dtype=torch.uint8)
     try:
         storage.read_into(files[p.file], p.byte_offset + lo, tensor_bytes(buf))
     except (OSError, StorageError) as e:
@@ -306,7 +323,9 @@ def read_span(storage: Storage, files: tuple[str, ...], item: ReadItem, lo: int,
 
 def read_item(storage: Storage, files: tuple[str, ...], block: int, item: ReadItem, verify: bool,
               maps: FileMaps | None = None, skip: Container[tuple[str, int]] = ()) -> None:
-    """Fill `item.dest` from storage, verifying every block read except those in `skip`."""
+    """Fill `item.dest` from storage, verifying every block read except those in `skip`. A failed
+    read or check may leave part of the bytes in the destination: loads into the caller's state go
+    through `LoadStaging` instead."""
     p = item.piece
     if math.prod(item.lengths) == 0:
         return
@@ -329,15 +348,134 @@ def read_item(storage: Storage, files: tuple[str, ...], block: int, item: ReadIt
 
 def read_all(storage: Storage, files: tuple[str, ...], block: int, items: Iterable[ReadItem],
              verify: bool, num_threads: int, skip: Container[tuple[str, int]] = ()) -> None:
+    """Read `items` straight into their destinations (buffers of the tools' own, never the caller's
+    state: a load stages its reads, `LoadStaging`)."""
     items = list(items)
     if not items:
         return
     maps = FileMaps(storage)
-    if num_threads <= 1 or len(items) == 1:
+    _run_each(lambda it: read_item(storage, files, block, it, verify, maps, skip), items, num_threads)
+
+
+def _run_each(fn, items: list, num_threads: int) -> None:
+    """fn(item) for every item on up to `num_threads` threads; the first error is raised once all ended."""
+    if num_threads <= 1 or len(items) <= 1:
         for it in items:
-            read_item(storage, files, block, it, verify, maps, skip)
+            fn(it)
         return
-    with ThreadPoolExecutor(num_threads, thread_name_prefix="bcp-read") as pool:
-        for f in [pool.submit(metrics.bind(read_item), storage, files, block, it, verify, maps, skip)
-                  for it in items]:
-            f.result()
+    with ThreadPoolExecutor(min(num_threads, len(items)), thread_name_prefix="bcp-read") as pool:
+        futures = [pool.submit(metrics.bind(fn), it) for it in items]
+        errors = [f.exception() for f in futures]
+    for e in errors:
+        if e is not None:
+            raise e
+
+
+# ----------------------------------------------------------------------------- staging a load
+#
+# A load changes none of the caller's state until every byte it needs has been read and verified.
+# The bytes wait in staging in between. Where the storage offers a memory map (local files,
+# memory://) the map is the staging, for free: checksums are computed on the mapped page cache and
+# the bytes are copied from there into place afterwards, the same work as reading then verifying.
+# Elsewhere (fsspec, S3) verified bytes are kept in memory up to STAGING_BYTES per rank; beyond that
+# budget an item is verified in a first pass, in chunks, and read again into place in a second: its
+# bytes cross the network twice, and a file changed between the two passes fails its checksum in the
+# second (ChecksumError, saying that part of the state was loaded by then). Destinations made for the
+# load itself (ReadItem.fresh) are not the caller's yet and are read into directly.
+
+STAGING_BYTES = 1 << 30
+VERIFY_CHUNK_BYTES = 16 << 20  # bytes per read of a first-pass verification beyond the budget
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A read item whose bytes are verified: `span` holds its piece's bytes from piece offset `lo` on
+    (a view of a memory map, or a buffer); None when they are read again into place (beyond the budget)."""
+
+    item: ReadItem
+    span: torch.Tensor | None
+    lo: int
+
+
+class LoadStaging:
+    """One rank's load between reading and writing into place: `stage` reads and verifies, `commit`
+    copies into the destinations. Thread-safe."""
+
+    def __init__(self, storage: Storage, files: tuple[str, ...], block: int, verify: bool):
+        self.storage, self.files, self.block, self.verify = storage, files, block, verify
+        self.budget = STAGING_BYTES
+        self.buffered = 0  # bytes of buffers kept, at most `budget`
+        self.maps = FileMaps(storage)
+        self._staged: list[Staged] = []
+        self._lock = threading.Lock()
+
+    def _reserve(self, nbytes: int) -> bool:
+        with self._lock:
+            if self.buffered + nbytes > self.budget:
+                return False
+            self.buffered += nbytes
+            return True
+
+    def _keep(self, staged: Staged) -> None:
+        with self._lock:
+            self._staged.append(staged)
+
+    def stage(self, item: ReadItem, skip: Container[tuple[str, int]] = ()) -> None:
+        """Read and verify one item (blocks in `skip` are verified by another rank)."""
+        if math.prod(item.lengths) == 0:
+            return
+        if item.fresh:
+            read_item(self.storage, self.files, self.block, item, self.verify, self.maps, skip)
+            return
+        lo, hi = item_span(item, self.block, self.verify)
+        p = item.piece
+        mapped = self.maps.view(self.files[p.file], p.byte_offset + lo, hi - lo) is not None
+        span = read_span(self.storage, self.files, item, lo, hi, self.maps) \
+            if mapped or self._reserve(hi - lo) else None
+        if span is not None:
+            if self.verify:
+                _verify(tensor_bytes(span), lo, item, self.files[p.file], self.block, skip)
+        elif self.verify:
+            self._verify_in_chunks(item, lo, hi, skip)
+        self._keep(Staged(item, span, lo))
+
+    def stage_all(self, items: list[ReadItem], num_threads: int, skip: Container[tuple[str, int]] = ()) -> None:
+        _run_each(lambda it: self.stage(it, skip), items, num_threads)
+
+    def take(self, items: list[ReadItem], span: torch.Tensor, lo: int) -> None:
+        """Bytes read or received elsewhere (`span`: piece bytes from `lo`) for `items`: verified here,
+        then kept (within the budget; else read again at commit), or copied at once into a fresh destination."""
+        p = items[0].piece
+        if self.verify:  # the items share the range, so its blocks are checked once
+            _verify(tensor_bytes(span), lo, items[0], self.files[p.file], self.block)
+        keep = any(not it.fresh for it in items) and self._reserve(span.numel())
+        for it in items:
+            if it.fresh:
+                copy_span(it, span, lo)
+            else:
+                self._keep(Staged(it, span if keep else None, lo))
+
+    def _verify_in_chunks(self, item: ReadItem, lo: int, hi: int, skip: Container[tuple[str, int]]) -> None:
+        """The first pass beyond the budget: read [lo, hi) a chunk at a time and check its blocks."""
+        p = item.piece
+        chunk = max(1, VERIFY_CHUNK_BYTES // self.block) * self.block
+        buf = torch.empty(min(chunk, hi - lo), dtype=torch.uint8)
+        for start in range(lo, hi, chunk):
+            end = min(start + chunk, hi)
+            data = read_span(self.storage, self.files, item, start, end, out=buf[:end - start])
+            _verify(tensor_bytes(data), start, item, self.files[p.file], self.block, skip)
+
+    def commit(self, num_threads: int) -> None:
+        """Copy every staged item into its destination: the caller's state changes from here on."""
+        def put(s: Staged) -> None:
+            if s.span is not None:
+                copy_span(s.item, s.span, s.lo)
+                return
+            try:
+                read_item(self.storage, self.files, self.block, s.item, self.verify, self.maps)
+            except ChecksumError as e:
+                raise ChecksumError(f"{e}; the file changed after this load had verified it, and part of the "
+                                    "state was loaded by then") from None
+        with self._lock:
+            staged, self._staged = self._staged, []
+        _run_each(put, staged, num_threads)

@@ -3,6 +3,8 @@
 Saving turns modules, optimizers, stateful objects and nested dicts into `SaveLeaf`s. Loading
 turns the same kinds of objects into `LoadTarget`s: a tensor to fill in place or a setter for a
 new value, plus finishers that hand the filled state back to optimizers and stateful objects.
+Building the targets changes nothing of the state: tensors are filled, setters and finishers run
+only once the whole load has been read and verified (bcp_core.loader).
 How a module or optimizer becomes FQN-keyed state is the adapter's business (bcp_core.adapters).
 """
 
@@ -41,12 +43,16 @@ class LoadTarget:
     set_value: Callable[[Any], None] | None = None  # receives decoded objects / new tensors
     optional: bool = False                      # absence is not a missing key (strict)
     shard: ObjectShard | None = None            # receives a sharded object's shard (or a ShardReader)
+    check: Callable[[Any], None] | None = None  # raises if a decoded value cannot be set (run before any change)
+    fresh: bool = False                         # `tensor` was made for this load, not the caller's yet
 
 
 @dataclass
 class LoadTargets:
     targets: dict[str, LoadTarget] = field(default_factory=dict)
     finishers: list[Callable[[], None]] = field(default_factory=list)
+    # run once every read is verified, before anything changes: they may look at fresh tensors only
+    checks: list[Callable[[], None]] = field(default_factory=list)
     # prefixes whose entries the checkpoint defines (optimizer state): never "unexpected" by absence
     checkpoint_defined: list[str] = field(default_factory=list)
     # plain dicts: checkpoint keys below them that the dict lacks are added to it

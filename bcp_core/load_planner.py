@@ -3,7 +3,8 @@
 Each rank intersects the boxes it holds with the saved pieces and reads only the overlapping
 byte ranges (`read_items`); values are decoded, sharded objects handed over (whole, or as a
 `ShardReader` the owner picks from), per-rank values chosen for this rank. `plan_load` decides all
-of it without reading a tensor byte; the load driver (bcp_core.loader) executes the plan.
+of it without reading a tensor byte and without changing anything of the caller's (keys, shapes and
+dtypes are checked here); the load driver (bcp_core.loader) executes the plan.
 """
 
 from __future__ import annotations
@@ -23,22 +24,35 @@ from .shards import Box, intersect, local_tensor
 
 @dataclass(frozen=True)
 class ReadItem:
-    """Copy the part `offsets/lengths` (global coordinates) of `piece` into `dest`."""
+    """Copy the part `offsets/lengths` (global coordinates) of `piece` into `dest`. `fresh`: `dest`
+    was made for this load and is not the caller's yet, so it may be read into before the load is
+    known to succeed."""
 
     fqn: str
     piece: Piece
     offsets: tuple[int, ...]
     lengths: tuple[int, ...]
     dest: torch.Tensor
+    fresh: bool = False
+
+
+@dataclass(frozen=True)
+class ValueLoad:
+    """A non-tensor value for a target: `fetch()` decodes or reads it and checks that the target
+    takes it, changing nothing of the caller's; `hand_over(value)` gives it to the target."""
+
+    fqn: str
+    fetch: Callable[[], Any]
+    hand_over: Callable[[Any], None]
 
 
 @dataclass
 class LoadPlan:
-    """What one rank does to load: set values, read byte ranges, hand over new tensors."""
+    """What one rank does to load: read byte ranges, then hand over new tensors and values."""
 
     items: list[ReadItem] = field(default_factory=list)
-    assign: list[Callable[[], None]] = field(default_factory=list)  # values set before any read
-    late: list[tuple[LoadTarget, torch.Tensor]] = field(default_factory=list)  # set after reading
+    values: list[ValueLoad] = field(default_factory=list)
+    late: list[tuple[LoadTarget, torch.Tensor]] = field(default_factory=list)  # new tensors, set once read
     missing: list[str] = field(default_factory=list)     # requested but not in the checkpoint
     unexpected: list[str] = field(default_factory=list)  # in the checkpoint under a requested module/optimizer
 
@@ -59,31 +73,36 @@ def plan_load(md: CheckpointMetadata, lt: LoadTargets, rank: int, allow_pickle: 
         if fqn not in saved:
             continue
         if fqn in md.objects:
-            plan.assign.append(_setter(target, lambda raw=md.objects[fqn].encoded, fqn=fqn:
-                                       codec.decode(raw, fqn, allow_pickle)))
+            plan.values.append(_decoded(target, md.objects[fqn].encoded, allow_pickle))
         elif fqn in md.sharded_objects:
-            plan.assign.append(_shard_handover(target, fqn, shard_reader))
+            plan.values.append(_shard_handover(target, fqn, shard_reader))
         elif fqn in md.per_rank:
             v = md.per_rank[fqn].variant_for(rank)
             if isinstance(v, ObjectValue):
-                plan.assign.append(_setter(target, lambda raw=v.encoded, fqn=fqn: codec.decode(raw, fqn, allow_pickle)))
+                plan.values.append(_decoded(target, v.encoded, allow_pickle))
+            elif target.tensor is not None and tuple(target.tensor.shape) == v.shape and target.tensor.dtype == v.dtype:
+                plan.items.extend(box_read_items(fqn, v, Box((0,) * len(v.shape), v.shape, target.tensor),
+                                                 target.fresh))
             else:
-                t = target.tensor
-                if t is None or tuple(t.shape) != v.shape or t.dtype != v.dtype:
-                    t = torch.empty(v.shape, dtype=v.dtype)
-                    plan.late.append((target, t))
-                plan.items.extend(box_read_items(fqn, v, Box((0,) * len(v.shape), v.shape, t)))
+                plan.items.extend(_new_tensor(plan, target, v))
         else:
             tm = md.tensors[fqn]
             if target.tensor is None:
                 if target.set_value is None:
                     raise ShapeMismatchError(f"{fqn!r} is a tensor in the checkpoint but not in the target")
-                t = torch.empty(tm.shape, dtype=tm.dtype)
-                plan.late.append((target, t))
-                plan.items.extend(box_read_items(fqn, tm, Box((0,) * len(tm.shape), tm.shape, t)))
+                plan.items.extend(_new_tensor(plan, target, tm))
             else:
-                plan.items.extend(read_items(fqn, tm, target.tensor))
+                plan.items.extend(read_items(fqn, tm, target.tensor, target.fresh))
     return plan
+
+
+def _new_tensor(plan: LoadPlan, target: LoadTarget, tm: TensorMeta) -> list[ReadItem]:
+    """Read `tm` whole into a new tensor that goes to the target once the load succeeded."""
+    if target.set_value is None:
+        raise BCPError(f"cannot set {target.fqn!r}: it takes no new tensor of shape {tuple(tm.shape)}")
+    t = torch.empty(tm.shape, dtype=tm.dtype)
+    plan.late.append((target, t))
+    return box_read_items(target.fqn, tm, Box((0,) * len(tm.shape), tm.shape, t), fresh=True)
 
 
 def set_target(target: LoadTarget, value: Any) -> None:
@@ -92,52 +111,69 @@ def set_target(target: LoadTarget, value: Any) -> None:
     target.set_value(value)
 
 
-def _setter(target: LoadTarget, value: Callable[[], Any]) -> Callable[[], None]:
-    return lambda: set_target(target, value())
+def _decoded(target: LoadTarget, raw: Any, allow_pickle: bool) -> ValueLoad:
+    if target.set_value is None:
+        raise BCPError(f"cannot set {target.fqn!r}: the checkpoint holds a value there, the target a tensor")
+
+    def fetch() -> Any:
+        value = codec.decode(raw, target.fqn, allow_pickle)
+        if target.check is not None:
+            target.check(value)
+        return value
+    return ValueLoad(target.fqn, fetch, target.set_value)
 
 
-def _shard_handover(target: LoadTarget, fqn: str, shard_reader: Callable[[str], Any]) -> Callable[[], None]:
+def _shard_handover(target: LoadTarget, fqn: str, shard_reader: Callable[[str], Any]) -> ValueLoad:
     """A sharded object goes to its target whole (a reader), as a reader the owner reshards from
-    (index None), or as the one shard the target's index names."""
-    def assign() -> None:
+    (index None), or as the one shard the target's index names (read when fetched)."""
+    shard = target.shard
+    if shard is None and target.set_value is None:
+        raise BCPError(f"cannot set {fqn!r}: the checkpoint holds a sharded object there, the target a tensor")
+
+    def fetch() -> Any:
         reader = shard_reader(fqn)
-        if target.shard is None:
-            set_target(target, reader)
-        elif target.shard.index is None:
-            target.shard.value, target.shard.grid = reader, reader.grid
+        if shard is None or shard.index is None:
+            return reader
+        if shard.grid and tuple(shard.grid) != tuple(reader.grid):
+            raise ShapeMismatchError(
+                f"sharded object {fqn!r}: the checkpoint's grid is {tuple(reader.grid)}, the target asks "
+                f"for index {tuple(shard.index)} of grid {tuple(shard.grid)}; read it with index=None and reshard")
+        return reader[shard.index]
+
+    def hand_over(value: Any) -> None:
+        if shard is None:
+            set_target(target, value)
+        elif shard.index is None:
+            shard.value, shard.grid = value, value.grid
         else:
-            if target.shard.grid and tuple(target.shard.grid) != tuple(reader.grid):
-                raise ShapeMismatchError(
-                    f"sharded object {fqn!r}: the checkpoint's grid is {tuple(reader.grid)}, the target asks "
-                    f"for index {tuple(target.shard.index)} of grid {tuple(target.shard.grid)}; read it "
-                    "with index=None and reshard")
-            target.shard.value = reader[target.shard.index]
-    return assign
+            shard.value = value
+    return ValueLoad(fqn, fetch, hand_over)
 
 
 def fill_containers(lt: LoadTargets, saved: set[str]) -> list[LoadTarget]:
-    """Targets for saved keys below plain dicts of the state that the dicts do not have yet."""
+    """Targets for saved keys below plain dicts of the state that the dicts do not have yet. The
+    dicts are left as they are until a value is handed over: its setter makes the nested dicts on
+    the way (replacing what is not a dict there, as the checkpoint's keys say)."""
     out = []
     containers = sorted(lt.containers, key=lambda c: -len(c[0]))
     for k in sorted(saved - set(lt.targets)):
         for prefix, d in containers:
             if k.startswith(prefix + "."):
                 parts = k[len(prefix) + 1:].split(".")
-                node = d
-                for p in parts[:-1]:
-                    nxt = node.get(p)
-                    if not isinstance(nxt, dict):
-                        nxt = node[p] = {}
-                    node = nxt
 
-                def setter(v, node=node, key=parts[-1]):
-                    node[key] = v
+                def setter(v, d=d, parts=parts):
+                    node = d
+                    for p in parts[:-1]:
+                        if not isinstance(node.get(p), dict):
+                            node[p] = {}
+                        node = node[p]
+                    node[parts[-1]] = v
                 out.append(LoadTarget(k, False, set_value=setter))
                 break
     return out
 
 
-def read_items(fqn: str, tm: TensorMeta, target: torch.Tensor) -> list[ReadItem]:
+def read_items(fqn: str, tm: TensorMeta, target: torch.Tensor, fresh: bool = False) -> list[ReadItem]:
     """What to read from the saved `tm` to fill the local part of `target`."""
     if tuple(target.shape) != tuple(tm.shape):
         raise ShapeMismatchError(f"tensor {fqn!r}: checkpoint has global shape {tuple(tm.shape)}, "
@@ -147,12 +183,12 @@ def read_items(fqn: str, tm: TensorMeta, target: torch.Tensor) -> list[ReadItem]
                                  f"{target.dtype}; cast the target or the checkpoint")
     items: list[ReadItem] = []
     for box in local_tensor(target).boxes:
-        items.extend(box_read_items(fqn, tm, box))
+        items.extend(box_read_items(fqn, tm, box, fresh))
     return items
 
 
 @metrics.timed("plan")
-def box_read_items(fqn: str, tm: TensorMeta, box: Box) -> list[ReadItem]:
+def box_read_items(fqn: str, tm: TensorMeta, box: Box, fresh: bool = False) -> list[ReadItem]:
     items = []
     for piece in tm.pieces:
         inter = intersect(box.offsets, box.lengths, piece.offsets, piece.lengths)
@@ -162,5 +198,5 @@ def box_read_items(fqn: str, tm: TensorMeta, box: Box) -> list[ReadItem]:
         dest = box.view
         for d, (o, n) in enumerate(zip(off, ln)):
             dest = dest.narrow(d, o - box.offsets[d], n)
-        items.append(ReadItem(fqn, piece, off, ln, dest))
+        items.append(ReadItem(fqn, piece, off, ln, dest, fresh))
     return items

@@ -9,7 +9,13 @@ On one host reading local files, the page cache already holds each byte once for
 is faster than any transfer; what the ranks would repeat is the checksum verification (a
 Shard(0) -> Shard(1) load on N ranks needs a part of every block, so each rank would hash the
 whole checkpoint). There each block is verified by one of the ranks that read it (worst-fit
-again), and the ranks agree at the end that no block failed.
+again).
+
+Either way the reads land in each rank's staging (engine.LoadStaging), and the ranks agree at the
+end: if any rank failed (a read, a checksum, a wait), every rank raises naming it and none has
+changed its state. Every wait is bounded by the load's timeout: the exchanges go through the Comm,
+and each transfer waits at most until the deadline, then fails naming the rank it waited for. An
+owner that cannot read a range still sends it, marked failed, so that no receiver waits for it.
 
 Sharing makes the load collective. `load` turns it on by default for remote storage, multi-node
 jobs and states holding DTensors over the whole group (which all its ranks load together); a
@@ -20,49 +26,172 @@ from __future__ import annotations
 
 import math
 import os
-from datetime import timedelta
 import socket
-from collections.abc import Iterable
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from . import metrics
+from . import codec, errors, metrics
 from .comm import Comm
-from .engine import copy_from_span, item_span, read_all, read_item, read_span
-from .errors import BCPError, ChecksumError
+from .engine import LoadStaging, item_span, read_span
+from .errors import BCPError, ChecksumError, CommTimeoutError
 from .load_planner import ReadItem
-from .shards import is_dtensor
+from .shards import is_dtensor, is_tensor_like
 from .storage import Storage
 
 _GROUPS: dict[tuple, object] = {}
+_TAGS: dict[tuple, int] = {}  # point-to-point tags used so far on each transfer group
+
+# Bytes of ranges in flight per rank (received and not yet verified, or read and not yet sent);
+# at least one range is always let through.
+TRANSFER_WINDOW_BYTES = 256 << 20
+_TAG_SPACE = 1 << 31  # c10d tags are C ints
+
+# A range's message: its bytes, then one status byte (1: read, 0: its owner failed to read it).
+_READ, _FAILED = 1, 0
 
 
-def worth_sharing(storage: Storage, process_group, tensors: Iterable) -> bool:
+# ----------------------------------------------------------------------------- records
+
+@codec.record
+@dataclass(frozen=True)
+class LoadFailure:
+    """Why one rank's part of a collective load failed, for the other ranks to raise: the error's
+    class name (one of bcp_core.errors, else reported as BCPError) and message."""
+
+    rank: int
+    error: str
+    message: str
+
+    @staticmethod
+    def of(rank: int, e: BaseException) -> LoadFailure:
+        return LoadFailure(rank, type(e).__name__, str(e))
+
+    def exception(self) -> BCPError:
+        """The error as another rank raises it, naming this rank."""
+        cls = getattr(errors, self.error, None)
+        if not (isinstance(cls, type) and issubclass(cls, BCPError)):
+            return BCPError(f"rank {self.rank} failed its part of this load: {self.error}: {self.message}")
+        what = "found a corrupted block in this load" if cls is ChecksumError else "failed its part of this load"
+        return cls(f"rank {self.rank} {what}: {self.message}")
+
+
+@codec.record
+@dataclass(frozen=True)
+class ReadRequest:
+    """What one rank of a shared load reads: its host, its byte ranges (file, start, end) and the
+    checksum blocks they cover (file, piece offset, first block, end block, piece bytes); or why it
+    cannot take part (`failure`)."""
+
+    host: str
+    spans: tuple
+    blocks: tuple
+    failure: LoadFailure | None
+
+
+def raise_failures(failures: list[LoadFailure | None], own: BaseException | None) -> None:
+    """After an exchange of failures: this rank's own error, else the first failing rank's."""
+    if own is not None:
+        raise own
+    for f in failures:
+        if f is not None:
+            raise f.exception()
+
+
+# ----------------------------------------------------------------------------- policy
+
+def worth_sharing(storage: Storage, process_group, state: dict) -> bool:
     """Default policy: share for remote storage, for jobs spanning several nodes, and for states
     holding a DTensor laid out over every rank of the group (all its ranks load such a state
     together, so the collective costs nothing in flexibility)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if group_size(process_group) < 2:
         return False
     world = dist.get_world_size(process_group)
-    if world < 2:
-        return False
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if storage.remote or local_world < world:
         return True
     group = set(dist.get_process_group_ranks(process_group)) if process_group is not None else set(range(world))
-    meshes = {id(t.device_mesh): t.device_mesh for t in tensors if is_dtensor(t)}
+    meshes = {id(t.device_mesh): t.device_mesh for t in _tensors(state) if is_dtensor(t)}
     return any(set(m.mesh.flatten().tolist()) == group for m in meshes.values())
 
 
-def _transfer_group(process_group):
-    ranks = tuple(dist.get_process_group_ranks(process_group)) if process_group is not None else \
-        tuple(range(dist.get_world_size()))
-    if ranks not in _GROUPS:
-        # created once, collectively (load is collective when sharing reads)
-        _GROUPS[ranks] = dist.new_group(ranks=list(ranks), backend="gloo")
-    return _GROUPS[ranks]
+def group_size(process_group) -> int:
+    """Ranks in the group; 1 without torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(process_group)
+
+
+def _tensors(state: Any) -> Iterator:
+    """The tensors of a state: its modules' parameters and buffers, and tensors in nested dicts."""
+    if isinstance(state, nn.Module):
+        yield from state.parameters()
+        yield from state.buffers()
+    elif isinstance(state, dict):
+        for v in state.values():
+            yield from _tensors(v)
+    elif is_tensor_like(state):
+        yield state
+
+
+# ----------------------------------------------------------------------------- the shared load
+
+def _blocks(it: ReadItem, block: int) -> tuple[int, int, int, int, int]:
+    """The checksum blocks an item's read covers: (file, piece byte offset, first block, end block,
+    piece bytes)."""
+    lo, hi = item_span(it, block, True)
+    p = it.piece
+    return p.file, p.byte_offset, lo // block, -(-hi // block), p.nbytes
+
+
+def read_all_shared(staging: LoadStaging, items: list[ReadItem], num_threads: int, process_group, comm: Comm,
+                    op: str, timeout: timedelta, failure: BaseException | None = None,
+                    check: Callable[[], None] | None = None) -> dict:
+    """Read and verify `items` into `staging`, sharing the work with the group's other ranks (module
+    doc); then `check()`, if given. Collective: `op` names this load's exchanges on `comm`. A rank
+    that could not prepare its part passes its error as `failure` and still takes part, so that every
+    rank raises it. Returns counts; raises, on every rank, if any rank failed."""
+    block, verify = staging.block, staging.verify
+    items = [it for it in items if math.prod(it.lengths)]
+    spans: dict[tuple[int, int, int], list[ReadItem]] = {}
+    for it in items:
+        lo, hi = item_span(it, block, verify)
+        spans.setdefault((it.piece.file, it.piece.byte_offset + lo, it.piece.byte_offset + hi), []).append(it)
+    blocks = sorted({_blocks(it, block) for it in items}) if verify else []
+    mine = ReadRequest(_host(), tuple(sorted(spans)), tuple(blocks),
+                       None if failure is None else LoadFailure.of(comm.rank, failure))
+    wanted = [codec.from_wire(w, ReadRequest)
+              for w in comm.all_gather(codec.to_wire(mine), f"{op}/plan", timeout)]
+    raise_failures([w.failure for w in wanted], failure)
+    if not staging.storage.remote and len({w.host for w in wanted}) == 1:
+        error, counts = _verify_once(staging, items, num_threads, comm, [w.blocks for w in wanted])
+    else:
+        with metrics.phase("transfer"):  # the whole exchange; its own reads and copies are recorded too
+            error, counts = _read_once(staging, spans, num_threads, process_group, comm,
+                                       [w.spans for w in wanted], op, timeout)
+    if error is None and check is not None:
+        try:
+            check()
+        except Exception as e:  # noqa: BLE001 - reported at the agreement
+            error = e
+    own = None if error is None else codec.to_wire(LoadFailure.of(comm.rank, error))
+    try:
+        failures = comm.all_gather(own, f"{op}/verify", timeout)
+    except CommTimeoutError:
+        if error is not None:  # this rank's own error says more (e.g. which transfer it waited for)
+            raise error from None
+        raise
+    raise_failures([None if f is None else codec.from_wire(f, LoadFailure) for f in failures], error)
+    return counts
 
 
 def _host() -> str:
@@ -84,36 +213,10 @@ def _worst_fit(requesters: dict[tuple, list[int]], size, world_size: int) -> dic
     return owner
 
 
-def _blocks(it: ReadItem, block: int) -> tuple[int, int, int, int, int]:
-    """The checksum blocks an item's read covers: (file, piece byte offset, first block, end block,
-    piece bytes)."""
-    lo, hi = item_span(it, block, True)
-    p = it.piece
-    return p.file, p.byte_offset, lo // block, -(-hi // block), p.nbytes
-
-
-def read_all_shared(storage: Storage, files: tuple[str, ...], block: int, items: list[ReadItem], verify: bool,
-                    num_threads: int, process_group, comm: Comm, op: str, timeout: timedelta) -> dict:
-    """Read `items` sharing the work with the group's other ranks (module docstring). Collective:
-    `op` names this load's exchanges on `comm`. Returns counts."""
-    items = [it for it in items if math.prod(it.lengths)]
-    spans: dict[tuple[int, int, int], list[ReadItem]] = {}
-    for it in items:
-        lo, hi = item_span(it, block, verify)
-        spans.setdefault((it.piece.file, it.piece.byte_offset + lo, it.piece.byte_offset + hi), []).append(it)
-    blocks = sorted({_blocks(it, block) for it in items}) if verify else []
-    wanted = comm.all_gather({"host": _host(), "spans": sorted(spans), "blocks": blocks}, f"{op}/plan", timeout)
-    if not storage.remote and len({w["host"] for w in wanted}) == 1:
-        return _verify_once(storage, files, block, items, verify, num_threads, comm, [w["blocks"] for w in wanted],
-                            op, timeout)
-    with metrics.phase("transfer"):  # the whole exchange; its own reads and copies are recorded too
-        return _read_once(storage, files, block, spans, verify, num_threads, process_group, comm,
-                          [w["spans"] for w in wanted])
-
-
-def _verify_once(storage: Storage, files: tuple[str, ...], block: int, items: list[ReadItem], verify: bool,
-                 num_threads: int, comm: Comm, wanted: list[list], op: str, timeout: timedelta) -> dict:
-    """One host, local files: every rank reads its own bytes; each block is verified once."""
+def _verify_once(staging: LoadStaging, items: list[ReadItem], num_threads: int, comm: Comm,
+                 wanted: list) -> tuple[BaseException | None, dict]:
+    """One host, local files: every rank stages its own bytes; each block is verified once."""
+    block = staging.block
     requesters: dict[tuple[int, int, int], list[int]] = {}  # (file, piece offset, block) -> ranks
     sizes: dict[tuple[int, int, int], int] = {}
     for r, ranges in enumerate(wanted):
@@ -123,76 +226,208 @@ def _verify_once(storage: Storage, files: tuple[str, ...], block: int, items: li
                 sizes[(f, off, b)] = min(block, nbytes - b * block)
     owner = _worst_fit(requesters, sizes.__getitem__, comm.world_size)
     me = comm.rank
-    skip = {(files[f], off + b * block) for (f, off, b), r in owner.items() if r != me}
-    error: Exception | None = None
+    skip = {(staging.files[f], off + b * block) for (f, off, b), r in owner.items() if r != me}
     try:
-        read_all(storage, files, block, items, verify, num_threads, skip)
-    except Exception as e:  # noqa: BLE001 - every rank must reach the exchange below, or the others wait
-        error = e
-    failures = comm.all_gather(None if error is None else [type(error).__name__, str(error)], f"{op}/verify",
-                               timeout)
-    if error is not None:
-        raise error
-    for r, failure in enumerate(failures):
-        if failure is not None:
-            kind, msg = failure
-            if kind == ChecksumError.__name__:
-                raise ChecksumError(f"rank {r} found a corrupted block in this shared load: {msg}")
-            raise BCPError(f"rank {r} failed its part of this shared load: {kind}: {msg}")
-    return {"verified_blocks": sum(1 for r in owner.values() if r == me)}
+        staging.stage_all(items, num_threads, skip)
+    except Exception as e:  # noqa: BLE001 - every rank must reach the agreement, or the others wait
+        return e, {}
+    return None, {"verified_blocks": sum(1 for r in owner.values() if r == me)}
 
 
-def _read_once(storage: Storage, files: tuple[str, ...], block: int, spans: dict, verify: bool, num_threads: int,
-               process_group, comm: Comm, wanted: list[list]) -> dict:
-    """Each byte range read once across the group and sent to the other ranks that need it."""
+# ----------------------------------------------------------------------------- transfers
+
+def _transfer_group(process_group, timeout: timedelta):
+    ranks = tuple(dist.get_process_group_ranks(process_group)) if process_group is not None else \
+        tuple(range(dist.get_world_size()))
+    if ranks not in _GROUPS:
+        # created once, collectively (load is collective when sharing reads)
+        _GROUPS[ranks] = dist.new_group(ranks=list(ranks), backend="gloo", timeout=timeout)
+    return ranks, _GROUPS[ranks]
+
+
+def _first_tag(ranks: tuple, count: int) -> int:
+    """Tags no earlier transfer on this group used (same on every rank: they run the same transfers),
+    so that a range a failed load never received cannot be taken for one of this load."""
+    first = _TAGS.get(ranks, 0)
+    _TAGS[ranks] = (first + count) % _TAG_SPACE
+    return first
+
+
+# Works of failed transfers: gloo keeps their buffers registered and may still fill or read them, so
+# they are never freed (a failed load leaves a few buffers behind, rather than memory gloo writes into).
+_ABANDONED: list = []
+
+
+@dataclass
+class _Range:
+    """One shared byte range (file, start, end) in flight: its message buffer (the bytes, then a
+    status byte) and its gloo works with the rank at the other end of each."""
+
+    key: tuple[int, int, int]
+    buf: torch.Tensor
+    works: list[tuple[Any, int]]
+
+
+class _Transfer:
+    """Waits on gloo sends and receives, all bounded by one deadline; the first error met."""
+
+    def __init__(self, comm: Comm, op: str, timeout: timedelta, files: tuple[str, ...]):
+        self.me, self.op, self.timeout, self.files = comm.rank, op, timeout, files
+        self.deadline = time.monotonic() + timeout.total_seconds()
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def fail(self, e: BaseException) -> None:
+        with self._lock:
+            self.error = self.error or e
+
+    def done(self, r: _Range, what: str) -> bool:
+        """Wait for the range's works until the deadline; False (the error recorded) if one did not end."""
+        for work, peer in r.works:
+            left = max(self.deadline - time.monotonic(), 0.001)  # a zero timeout would mean none at all
+            try:
+                work.wait(timedelta(seconds=left))
+            except RuntimeError as e:  # gloo: timed out, or the peer's connection closed
+                self.fail(self.peer_error(peer, what, r.key, e))
+                _ABANDONED.append(r)
+                return False
+        return True
+
+    def peer_error(self, peer: int, what: str, key: tuple[int, int, int], cause: Exception) -> CommTimeoutError:
+        f, lo, hi = key
+        return CommTimeoutError(
+            f"bcp {self.op}/transfer: rank {self.me} waited {self.timeout} for rank {peer} to {what} bytes "
+            f"[{lo}, {hi}) of {self.files[f]}, in vain ({str(cause).splitlines()[0][:200]}); it may have crashed "
+            "or be stuck elsewhere")
+
+
+def _read_once(staging: LoadStaging, spans: dict, num_threads: int, process_group, comm: Comm, wanted: list,
+               op: str, timeout: timedelta) -> tuple[BaseException | None, dict]:
+    """Each byte range read once across the group and sent to the other ranks that need it.
+
+    Shared ranges go in one order on every rank: owners read and send them in it, receivers post and
+    take their receives in it, each with at most TRANSFER_WINDOW_BYTES in flight (and at least one
+    range). The first range not yet delivered can always move: its owner has sent every range before
+    it and waits for a delivery only once it has sent all it read, and its receivers have taken every
+    range before it, so its receive is posted. So the windows never deadlock.
+    """
     requesters: dict[tuple, list[int]] = {}
     for r, keys in enumerate(wanted):
         for k in keys:
             requesters.setdefault(tuple(k), []).append(r)
     owner = _worst_fit(requesters, lambda k: k[2] - k[1], comm.world_size)
     shared = sorted(owner)
-    tag = {k: i for i, k in enumerate(shared)}
-    direct: list[ReadItem] = []
-    group = _transfer_group(process_group)
+    ranks, group = _transfer_group(process_group, timeout)
+    first = _first_tag(ranks, len(shared))
+    tag = {k: (first + i) % _TAG_SPACE for i, k in enumerate(shared)}
     me = comm.rank
+    transfer = _Transfer(comm, op, timeout, staging.files)
+    direct = [it for k, its in spans.items() if k not in owner for it in its]
+    to_send = [k for k in shared if owner[k] == me]
+    to_receive = [k for k in shared if owner[k] != me and k in spans]
 
-    def global_rank(r: int) -> int:
+    def peer(r: int) -> int:
         return dist.get_global_rank(group, r)
 
-    # Post every receive first, so owners can send as soon as they have read.
-    recvs = []
-    for k in spans:
-        if k in owner and owner[k] != me:
-            buf = torch.empty(k[2] - k[1], dtype=torch.uint8)
-            recvs.append((k, buf, dist.irecv(buf, src=global_rank(owner[k]), group=group, tag=tag[k])))
-    mine = [k for k in spans if owner.get(k, me) == me]
-    to_send = [k for k in shared if owner[k] == me]
-    sends = []
-    for k in mine:
-        if k not in owner:
-            direct.extend(spans[k])
+    def stage_direct(it: ReadItem) -> None:
+        try:
+            staging.stage(it)
+        except Exception as e:  # noqa: BLE001 - reported at the agreement
+            transfer.fail(e)
 
-    def read_owned(k):  # owners are requesters, so the range is one of this rank's spans
-        it = spans[k][0]
-        return k, read_span(storage, files, it, k[1] - it.piece.byte_offset, k[2] - it.piece.byte_offset)
+    def read(k: tuple[int, int, int]) -> torch.Tensor:
+        """The range's message: its bytes and the status byte (an owner that failed still sends)."""
+        buf = torch.empty(k[2] - k[1] + 1, dtype=torch.uint8)
+        it = spans[k][0]  # owners are requesters, so the range is one of this rank's spans
+        try:
+            read_span(staging.storage, staging.files, it, k[1] - it.piece.byte_offset, k[2] - it.piece.byte_offset,
+                      out=buf[:-1])
+            buf[-1] = _READ
+        except Exception as e:  # noqa: BLE001 - the receivers are told by the status byte, the agreement reports it
+            transfer.fail(e)
+            buf[-1] = _FAILED
+        return buf
+
+    def post(k: tuple[int, int, int], buf: torch.Tensor, post, r: int, what: str):
+        try:
+            return post(buf, peer(r), group=group, tag=tag[k]), r
+        except RuntimeError as e:  # gloo: the peer's connection closed
+            raise transfer.peer_error(r, what, k, e) from None
+
+    def send(k: tuple[int, int, int], buf: torch.Tensor) -> _Range:
+        receivers = [r for r in requesters[k] if r != me]
+        return _Range(k, buf, [post(k, buf, dist.isend, r, "receive") for r in receivers])
+
+    def receive(k: tuple[int, int, int]) -> _Range:
+        buf = torch.empty(k[2] - k[1] + 1, dtype=torch.uint8)
+        return _Range(k, buf, [post(k, buf, dist.irecv, owner[k], "send")])
+
+    def take(r: _Range) -> None:
+        if int(r.buf[-1]) != _READ:
+            return  # its owner failed to read it, and reports that itself at the agreement
+        its = spans[r.key]
+        try:
+            staging.take(its, r.buf[:-1], r.key[1] - its[0].piece.byte_offset)
+        except Exception as e:  # noqa: BLE001 - reported at the agreement; the transfer goes on so no one waits
+            transfer.fail(e)
+
+    sent: deque[_Range] = deque()    # sent, delivery not yet waited for
+    posted: deque[_Range] = deque()  # receives posted, not yet taken
+
+    def send_owned() -> None:
+        """Read the owned ranges in order on the pool (a window ahead), send each, take this rank's part."""
+        todo, reads = deque(to_send), deque()
+        window = 0  # bytes of ranges being read, or sent and not yet received
+        try:
+            while todo or reads:
+                while todo and (window < TRANSFER_WINDOW_BYTES or not (reads or sent)):
+                    k = todo.popleft()
+                    reads.append((k, pool.submit(metrics.bind(read), k)))
+                    window += k[2] - k[1]
+                if not reads:  # the window is full of ranges sent: wait for the oldest to be received
+                    r = sent.popleft()
+                    window -= r.key[2] - r.key[1]
+                    if not transfer.done(r, "receive"):
+                        return
+                    continue
+                k, fut = reads.popleft()
+                r = send(k, fut.result())
+                sent.append(r)
+                take(r)
+            while sent:
+                if not transfer.done(sent.popleft(), "receive"):
+                    return
+        except Exception as e:  # noqa: BLE001 - gloo refusing a send (a peer gone): reported at the agreement
+            transfer.fail(e)
+
+    def receive_all() -> None:
+        """Post receives in order, a window ahead; take each as it arrives."""
+        todo = deque(to_receive)
+        window = 0
+        try:
+            while todo or posted:
+                while todo and (window < TRANSFER_WINDOW_BYTES or not posted):
+                    k = todo.popleft()
+                    posted.append(receive(k))
+                    window += k[2] - k[1]
+                r = posted.popleft()
+                window -= r.key[2] - r.key[1]
+                if not transfer.done(r, "send"):
+                    return
+                take(r)
+        except Exception as e:  # noqa: BLE001 - gloo refusing a receive (a peer gone): reported at the agreement
+            transfer.fail(e)
 
     with ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="bcp-read") as pool:
-        direct_futs = [pool.submit(read_item, storage, files, block, it, verify) for it in direct]
-        for fut in [pool.submit(read_owned, k) for k in to_send]:
-            k, buf = fut.result()
-            for r in requesters[k]:
-                if r != me:
-                    sends.append(dist.isend(buf, dst=global_rank(r), group=group, tag=tag[k]))
-            for it in spans[k]:
-                copy_from_span(it, buf, k[1] - it.piece.byte_offset, files, block, verify)
-        for f in direct_futs:
+        direct_done = [pool.submit(metrics.bind(stage_direct), it) for it in direct]
+        sender = threading.Thread(target=metrics.bind(send_owned), name="bcp-send")
+        sender.start()
+        receive_all()
+        sender.join()
+        for f in direct_done:
             f.result()
-    for k, buf, work in recvs:
-        work.wait()
-        for it in spans[k]:
-            copy_from_span(it, buf, k[1] - it.piece.byte_offset, files, block, verify)
-    for work in sends:
-        work.wait()
-    read_bytes = sum(k[2] - k[1] for k in mine)
-    return {"read_bytes": read_bytes, "received_bytes": sum(b.numel() for _, b, _ in recvs),
-            "sent_ranges": len(to_send)}
+    if transfer.error is not None:
+        _ABANDONED.extend([*sent, *posted])  # gloo may still read from or fill their buffers
+    counts = {"read_bytes": sum(k[2] - k[1] for k in to_send) + sum(k[2] - k[1] for k in spans if k not in owner),
+              "received_bytes": sum(k[2] - k[1] for k in to_receive), "sent_ranges": len(to_send)}
+    return transfer.error, counts

@@ -1,6 +1,6 @@
 """bcp vs PyTorch DCP on the same sharded state, in one run, with the physical floors.
 
-    python bench/compare.py [--gib 1.0] [--ranks 2] [--dir /tmp/bcp_bench] [--json out.json]
+    python bench/compare.py [--gib 1.0] [--ranks 2] [--dir /tmp/bcp_bench] [--json out.json] [--only load]
 
 Every rank holds its shard of a set of FSDP-style Shard(0) DTensors (GIB in all). Measured, as
 the slowest rank (wall time between barriers):
@@ -261,6 +261,17 @@ def _bcp(gib, root):
     stalls = [_stall_then_wait(lambda k=k: bcp.save(path, state, step=k, async_save=True, role="bench").wait)
               for k in range(3)]
     out["stall_steady_s"] = min(stalls[1:])
+    out.update(_bcp_loads(gib, root, state))
+    out["peak_rss_mib"] = _max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    out["peak_anon_mib"] = _max(anon.mib)
+    return out
+
+
+def _bcp_loads(gib, root, state) -> dict:
+    """bcp's loads of `state` saved once: into the same layout, resharded (shared and not); best of 3."""
+    import bcp_core as bcp
+
+    out = {}
     bcp.save(os.path.join(root, "bcp_sync"), state, step=0, role="bench-sync").wait()
     target = _state(gib, "shard0")
     out["load_s"] = min(_timed(lambda: bcp.load(os.path.join(root, "bcp_sync"), target)) for _ in range(3))
@@ -271,8 +282,6 @@ def _bcp(gib, root):
     out["load_resharded_unshared_s"] = min(_timed(lambda: bcp.load(os.path.join(root, "bcp_sync"), resharded,
                                                                    share_reads=False)) for _ in range(3))
     assert all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(state.values(), resharded.values()))
-    out["peak_rss_mib"] = _max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    out["peak_anon_mib"] = _max(anon.mib)
     return out
 
 
@@ -302,6 +311,17 @@ def _dcp(gib, root):
         stalls.append(_stall_then_wait(go))
     stager.close()
     out["best_stall_steady_s"] = min(stalls[1:])
+    out.update(_dcp_loads(gib, root, state))
+    out["peak_rss_mib"] = _max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    out["peak_anon_mib"] = _max(anon.mib)
+    return out
+
+
+def _dcp_loads(gib, root, state) -> dict:
+    """DCP's loads of `state` saved once: into the same layout and resharded; best of 3."""
+    import torch.distributed.checkpoint as dcp
+
+    out = {}
     dcp.save(state, checkpoint_id=os.path.join(root, "dcp_sync_1"))
     target = _state(gib, "shard0")
     out["load_s"] = min(_timed(lambda: dcp.load(target, checkpoint_id=os.path.join(root, "dcp_sync_1")))
@@ -310,6 +330,14 @@ def _dcp(gib, root):
     resharded = _state(gib, "shard1")
     out["load_resharded_s"] = min(_timed(lambda: dcp.load(resharded, checkpoint_id=os.path.join(root, "dcp_sync_1")))
                                   for _ in range(3))
+    return out
+
+
+def _loads_only(gib, root, system):
+    """One system's loads in processes of their own (`--only load`), with their peak memory."""
+    anon = AnonPeak()
+    state = _state(gib, "shard0")
+    out = (_bcp_loads if system == "bcp" else _dcp_loads)(gib, root, state)
     out["peak_rss_mib"] = _max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     out["peak_anon_mib"] = _max(anon.mib)
     return out
@@ -355,6 +383,8 @@ def _e2e(gib, root):
 def _measure(what, gib, root):
     if what.startswith("first:"):
         return _first(gib, root, what.split(":")[1])
+    if what.startswith("loads:"):
+        return _loads_only(gib, root, what.split(":")[1])
     return {"floors": _floors, "bcp": _bcp, "dcp": _dcp, "e2e": _e2e}[what](gib, root)
 
 
@@ -368,9 +398,13 @@ def main():
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir, removed after)")
     ap.add_argument("--json", default=None, help="also write the table to this file")
+    ap.add_argument("--only", choices=("all", "load"), default="all",
+                    help="'load': only the read floors and the loads of both systems (default: all)")
     args = ap.parse_args()
     root = args.dir or tempfile.mkdtemp(prefix="bcp_bench_")
     os.makedirs(root, exist_ok=True)
+    if args.only == "load":
+        return _print(_load_table(args, root), args.json)
     try:
         floors = _run("floors", args.ranks, args.gib, root)
         first: dict[str, list[dict]] = {s: [] for s in FIRST_SYSTEMS}
@@ -419,10 +453,37 @@ def main():
         "bandwidth_gib_s": {"disk_write": args.gib / e2e["disk_write_s"],
                             "bcp_save": args.gib / e2e["bcp_save_s"], "dcp_save": args.gib / e2e["dcp_save_s"]},
     }
+    return _print(table, args.json)
+
+
+def _load_table(args, root) -> dict:
+    try:
+        floors = _run("floors", args.ranks, args.gib, root)
+        bcp_r = _run("loads:bcp", args.ranks, args.gib, root)
+        dcp_r = _run("loads:dcp", args.ranks, args.gib, root)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    floor_read, floor_resh = floors["page_cache_read_s"], floors["page_cache_read_resharded_s"]
+    return {
+        "config": {"gib": args.gib, "ranks": args.ranks, "torch": torch.__version__, "cpus": os.cpu_count()},
+        "floors": floors, "bcp": bcp_r, "dcp": dcp_r,
+        "ratios": {
+            "load_speedup_vs_dcp": dcp_r["load_s"] / bcp_r["load_s"],
+            "load_bcp_over_page_cache": bcp_r["load_s"] / floor_read,
+            "resharded_load_speedup_vs_dcp": dcp_r["load_resharded_s"] / bcp_r["load_resharded_s"],
+            "resharded_load_bcp_over_resharded_floor": bcp_r["load_resharded_s"] / floor_resh,
+            "resharded_unshared_load_speedup_vs_dcp": dcp_r["load_resharded_s"] / bcp_r["load_resharded_unshared_s"],
+            "peak_anon_bcp_over_dcp": bcp_r["peak_anon_mib"] / dcp_r["peak_anon_mib"],
+        },
+    }
+
+
+def _print(table: dict, json_path: str | None) -> int:
     text = json.dumps(table, indent=2)
     print(text)
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             f.write(text)
     return 0
 

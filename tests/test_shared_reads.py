@@ -27,9 +27,10 @@ def _counting(cls_or_module, name, log, key):
 
 def _byte_sharing(rank, root) -> list:
     """Each rank on a host of its own: replicas need every byte, and each range is read once."""
-    from bcp_core import shared_reads
+    from bcp_core import engine, shared_reads
     from bcp_core.storage import LocalStorage
 
+    window, budget = shared_reads.TRANSFER_WINDOW_BYTES, engine.STAGING_BYTES
     model, optim = build("fsdp2")  # saved sharded...
     bcp.save(os.path.join(root, "ck"), {"model": model, "optimizer": optim}).wait()
     ref = full_state(model, optim)
@@ -44,12 +45,18 @@ def _byte_sharing(rank, root) -> list:
         LocalStorage.read_into = real
         if rank == 0:
             assert_same(ref, full_state(ddp, ddp_opt), "fsdp2 -> ddp with shared reads")
-        again, again_opt = build("ddp", seed=6)  # a second shared load must not see the first one's messages
+        # A second shared load must not see the first one's messages. With a transfer window of one
+        # byte each range travels alone (in the same order on both ranks, so the windows cannot
+        # deadlock); with no staging budget every received range is verified, dropped, and read again
+        # into place once both ranks have verified everything.
+        shared_reads.TRANSFER_WINDOW_BYTES, engine.STAGING_BYTES = 1, 0
+        again, again_opt = build("ddp", seed=6)
         bcp.load(os.path.join(root, "ck"), {"model": again, "optimizer": again_opt}, share_reads=True)
         if rank == 0:
             assert_same(ref, full_state(again, again_opt), "second load with shared reads")
     finally:
         LocalStorage.read_into, shared_reads._host = real, host
+        shared_reads.TRANSFER_WINDOW_BYTES, engine.STAGING_BYTES = window, budget
     return [r for r in reads if not r[0].endswith(".json")]
 
 

@@ -262,11 +262,10 @@ class FSDP1Adapter(ModuleAdapter):
             fqn, _, sname = k[len(prefix):].rpartition(".")
             saved.setdefault(fqn, {})[sname] = k
         new_state: dict[int, dict[str, Any]] = {}
-        checks: list = []  # run after reading, before the optimizer gets the state
         for i, (p, name) in enumerate(zip(params, names)):
             existing = osd["state"].get(i, {})
             if isinstance(name, _Name) and name.flat:
-                slot = _flat_targets(out, md, key, name, saved, existing, _local_shard(p), checks)
+                slot = _flat_targets(out, md, key, name, saved, existing, _local_shard(p))
             elif isinstance(name, _Name):
                 slot = _orig_targets(out, md, name.origs[0], saved, existing, p)
             else:
@@ -277,7 +276,9 @@ class FSDP1Adapter(ModuleAdapter):
         groups_key = f"{key}.param_groups"
         holder: dict[str, Any] = {}
 
-        def set_groups(groups):
+        def optimizer_groups(groups) -> list[dict]:
+            """The checkpoint's param groups with the optimizer's parameter indices; raises if they do
+            not hold the same parameters (checked before the load changes anything)."""
             cur = opt.param_groups
             if len(groups) != len(cur):
                 raise BCPError(f"optimizer {key!r}: checkpoint has {len(groups)} param groups, optimizer has "
@@ -291,13 +292,12 @@ class FSDP1Adapter(ModuleAdapter):
                                    f"the checkpoint's group holds {sorted(g['params'])[:5]}...; groups must "
                                    "hold the same FQNs")
                 result.append({**g, "params": [index_of[id(p)] for p in c["params"]]})
-            holder["groups"] = result
+            return result
 
-        out.targets[groups_key] = LoadTarget(groups_key, False, set_value=set_groups)
+        out.targets[groups_key] = LoadTarget(groups_key, False, check=optimizer_groups,
+                                             set_value=lambda groups: holder.update(groups=optimizer_groups(groups)))
 
         def finish():
-            for check in checks:
-                check()
             groups = holder.get("groups")
             if groups is None:  # not in the checkpoint (strict=False): keep the current hyperparameters
                 index_of = {id(p): i for i, p in enumerate(params)}
@@ -378,7 +378,7 @@ def _ignore(_value) -> None:
 
 
 def _flat_targets(out: LoadTargets, md, key: str, name: _Name, saved: dict, existing: dict,
-                  shard: torch.Tensor, checks: list) -> dict:
+                  shard: torch.Tensor) -> dict:
     """Targets for a FlatParameter's state: flat tensors shaped like the shard, filled per original."""
     slot: dict[str, Any] = {}
     snames = sorted({s for o in name.origs for s in saved.get(o.fqn, {})})
@@ -400,19 +400,20 @@ def _flat_targets(out: LoadTargets, md, key: str, name: _Name, saved: dict, exis
                                f"the parameters of FSDP1 unit {str(name)!r}; one flat tensor holds one dtype")
             dtype = dtypes.pop()
             flat = existing.get(sname)
-            if not (isinstance(flat, torch.Tensor) and flat.shape == shard.shape and flat.dtype == dtype):
-                # padding and parameters without saved state stay zero
+            fresh = not (isinstance(flat, torch.Tensor) and flat.shape == shard.shape and flat.dtype == dtype)
+            if fresh:  # padding and parameters without saved state stay zero
                 flat = torch.zeros(shard.shape, dtype=dtype, device=shard.device)
             slot[sname] = flat
             for o, k in keys:
                 out.targets[k] = LoadTarget(k, False, tensor=o.view(flat[o.offset_in_shard:
-                                                                        o.offset_in_shard + o.numel]))
+                                                                        o.offset_in_shard + o.numel]), fresh=fresh)
         elif all(tuple(tm.shape) == () for tm in metas):
             scalars = [(k, torch.zeros((), dtype=tm.dtype)) for (_, k), tm in zip(keys, metas)]
             for k, t in scalars:
-                out.targets[k] = LoadTarget(k, False, tensor=t)
+                out.targets[k] = LoadTarget(k, False, tensor=t, fresh=True)
             slot[sname] = scalars[0][1]
-            checks.append(lambda sname=sname, scalars=scalars: _same_scalars(key, name, sname, scalars))
+            # the scalars are fresh: read before the load changes anything, checked then
+            out.checks.append(lambda sname=sname, scalars=scalars: _same_scalars(key, name, sname, scalars))
         else:
             shapes = {k: tuple(tm.shape) for (_, k), tm in zip(keys, metas)}
             raise BCPError(f"optimizer {key!r}: state {sname!r} of FSDP1 unit {str(name)!r} has shapes {shapes}; "
@@ -442,14 +443,15 @@ def _orig_targets(out: LoadTargets, md, o: _Orig, saved: dict, existing: dict, p
             out.targets[k] = LoadTarget(k, False, set_value=_keep(slot, sname))
         elif tuple(tm.shape) == o.shape:
             t = existing.get(sname)
-            if not (_is_local_state(t, o) and t.dtype == tm.dtype):
+            fresh = not (_is_local_state(t, o) and t.dtype == tm.dtype)
+            if fresh:
                 t = torch.zeros(param.shape, dtype=tm.dtype, device=param.device)  # shaped like its local data
             slot[sname] = t
-            out.targets[k] = LoadTarget(k, False, tensor=o.view(t.view(-1)))
+            out.targets[k] = LoadTarget(k, False, tensor=o.view(t.view(-1)), fresh=fresh)
         elif tuple(tm.shape) == ():
             t = torch.zeros((), dtype=tm.dtype)  # scalars such as Adam's step live on the CPU
             slot[sname] = t
-            out.targets[k] = LoadTarget(k, False, tensor=t)
+            out.targets[k] = LoadTarget(k, False, tensor=t, fresh=True)
         else:
             raise BCPError(f"optimizer state {k!r} has shape {tuple(tm.shape)}, neither the parameter's "
                            f"{o.shape} nor a scalar")
@@ -465,11 +467,12 @@ def _plain_targets(out: LoadTargets, md, keys: dict, existing: dict, param) -> d
         if tm is None:
             out.targets[k] = LoadTarget(k, False, set_value=_keep(slot, sname))
             continue
-        if not (isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(tm.shape) and t.dtype == tm.dtype):
+        fresh = not (isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(tm.shape) and t.dtype == tm.dtype)
+        if fresh:
             device = param.device if tuple(tm.shape) == tuple(param.shape) else "cpu"
             t = torch.zeros(tm.shape, dtype=tm.dtype, device=device)
         slot[sname] = t
-        out.targets[k] = LoadTarget(k, False, tensor=t)
+        out.targets[k] = LoadTarget(k, False, tensor=t, fresh=fresh)
     return slot
 
 

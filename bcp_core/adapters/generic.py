@@ -148,16 +148,19 @@ def optimizer_targets(opt, key: str, fqn_of: dict[int, str], md: CheckpointMetad
             target = _new_state_tensor(params[i], tm)
         else:
             target = None
+        fresh = target is not None and target is not existing  # the optimizer gets it in the finisher
 
         def setter(v, slot=slot, name=name):
             slot[name] = v
 
         if target is not None:
             slot[name] = target
-        out.targets[k] = LoadTarget(k, False, tensor=target, set_value=setter)
+        out.targets[k] = LoadTarget(k, False, tensor=target, set_value=setter, fresh=fresh)
     groups_key = f"{key}.param_groups"
 
-    def set_groups(groups):
+    def optimizer_groups(groups) -> list[dict]:
+        """The checkpoint's param groups with the optimizer's parameter indices; raises if they do
+        not hold the same parameters (checked before the load changes anything)."""
         out_groups = []
         cur = opt.param_groups
         if len(groups) != len(cur):
@@ -171,10 +174,11 @@ def optimizer_targets(opt, key: str, fqn_of: dict[int, str], md: CheckpointMetad
             g = dict(g)
             g["params"] = [index_of[f] for f in want]
             out_groups.append(g)
-        holder["groups"] = out_groups
+        return out_groups
 
     holder: dict[str, Any] = {}
-    out.targets[groups_key] = LoadTarget(groups_key, False, set_value=set_groups)
+    out.targets[groups_key] = LoadTarget(groups_key, False, check=optimizer_groups,
+                                         set_value=lambda groups: holder.update(groups=optimizer_groups(groups)))
 
     def finish():
         groups = holder.get("groups")
