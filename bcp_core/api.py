@@ -102,12 +102,19 @@ def load(path: str | os.PathLike, state: dict, framework: str = "auto", strict: 
     overlap what it holds. Does not need a process group. With `strict=False`, loads what matches
     and returns the `missing` and `unexpected` keys in the `LoadResult` instead of raising.
 
+    All or nothing: every key, shape and value is checked and every byte read and verified before
+    anything of `state` changes; a load that raises leaves `state` exactly as it was (an error
+    raised by an object's own `load_state_dict` while handing over is the one exception). A load
+    into modules first lets an asynchronous save in flight take its lazy snapshot.
+
     `share_reads`: the group's ranks split the work they would repeat (collective: every rank of
     the group calls load). From remote storage or across hosts, each byte range is read once and
     passed to the other ranks that need it; on one host reading local files, each checksum block
     is verified by one rank only. Default (None): on for remote storage, multi-node jobs and states
     holding DTensors laid out over the whole group; otherwise off, so that a subset of the ranks
-    may load plain tensors on its own. `num_threads`: files read at once (default 4).
+    may load plain tensors on its own. A collective load reads the metadata once per node and fails
+    on every rank, naming the rank, if any rank fails. `num_threads`: files read at once (default
+    4). Every wait (exchanges, transfers) is bounded by `timeout`.
     """
     return load_checkpoint(path, state, framework, strict, process_group=process_group, allow_pickle=allow_pickle,
                            verify_checksums=verify_checksums, num_threads=num_threads or 4, share_reads=share_reads,

@@ -25,6 +25,7 @@ from .errors import ChecksumError, KeyMismatchError, MetadataError, StorageError
 from .load_planner import ReadItem
 from .metadata import CheckpointMetadata, num_blocks
 from .storage import Storage
+from .storage.base import CONFIG
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -377,13 +378,13 @@ def _run_each(fn, items: list, num_threads: int) -> None:
 # The bytes wait in staging in between. Where the storage offers a memory map (local files,
 # memory://) the map is the staging, for free: checksums are computed on the mapped page cache and
 # the bytes are copied from there into place afterwards, the same work as reading then verifying.
-# Elsewhere (fsspec, S3) verified bytes are kept in memory up to STAGING_BYTES per rank; beyond that
+# Elsewhere (fsspec, S3) verified bytes are kept in memory up to `CONFIG.load_staging_bytes` per rank
+# (configure_storage(load_staging_bytes=...), 1 GiB by default); beyond that
 # budget an item is verified in a first pass, in chunks, and read again into place in a second: its
 # bytes cross the network twice, and a file changed between the two passes fails its checksum in the
 # second (ChecksumError, saying that part of the state was loaded by then). Destinations made for the
 # load itself (ReadItem.fresh) are not the caller's yet and are read into directly.
 
-STAGING_BYTES = 1 << 30
 VERIFY_CHUNK_BYTES = 16 << 20  # bytes per read of a first-pass verification beyond the budget
 
 
@@ -403,7 +404,7 @@ class LoadStaging:
 
     def __init__(self, storage: Storage, files: tuple[str, ...], block: int, verify: bool):
         self.storage, self.files, self.block, self.verify = storage, files, block, verify
-        self.budget = STAGING_BYTES
+        self.budget = CONFIG.load_staging_bytes
         self.buffered = 0  # bytes of buffers kept, at most `budget`
         self.maps = FileMaps(storage)
         self._staged: list[Staged] = []

@@ -11,14 +11,17 @@ A load is all or nothing for the caller: everything that can be checked without 
 shapes, dtypes, strictness, values) is checked first, every byte is read and verified next, and
 only then is anything written into the state. In a collective load (shared reads) the ranks agree
 after reading: if any failed, every rank raises naming it and none has changed its state. A
-collective load reads the metadata once (the group's rank 0 resolves the path and reads the file)
-and passes its text to the other ranks through the Comm; each parses it.
+collective load reads the metadata once per node: the group's rank 0 resolves the path (so every
+rank loads the same step while a save moves `latest`) and names the checkpoint to every rank; the
+lowest rank of each node reads the metadata file and passes its bytes to the node's other ranks
+over a gloo group of the node; each rank parses them.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -27,11 +30,11 @@ from . import codec, metrics
 from .adapters import resolve_framework
 from .comm import DEFAULT_TIMEOUT, Comm, comm_for
 from .engine import LoadStaging, ShardReader
-from .errors import KeyMismatchError
+from .errors import BCPError, CommTimeoutError, KeyMismatchError
 from .flatten import LoadTargets, load_targets
 from .layout import resolve
 from .load_planner import LoadPlan, plan_load, set_target
-from .metadata import METADATA_FILE, CheckpointMetadata
+from .metadata import CHECKSUM_BLOCK_BYTES, METADATA_FILE, CheckpointMetadata
 from .shared_reads import LoadFailure, group_size, raise_failures, read_all_shared, worth_sharing
 from .staging import finish_lazy_copies
 from .storage import Storage, storage_for
@@ -60,12 +63,10 @@ def parse_metadata(st: Storage, data: bytes) -> CheckpointMetadata:
 
 @codec.record
 @dataclass(frozen=True)
-class CheckpointText:
-    """The checkpoint a collective load reads, as the group's rank 0 resolved it, and the text of its
-    metadata file (bytes that are not UTF-8 travel as surrogate escapes, and come back unchanged)."""
+class ResolvedCheckpoint:
+    """The checkpoint a collective load reads, as the group's rank 0 resolved the path."""
 
     root: str
-    metadata: str
 
 
 @metrics.recorded("load", rank=lambda *_, process_group=None, **__: this_rank(process_group))
@@ -87,14 +88,18 @@ def load_checkpoint(path: str | os.PathLike, state: dict, framework: str = "auto
         _check(targets)
     else:
         comm, op = _load_op(process_group)
-        st, md = _shared_metadata(path, comm, op, timeout)
-        staging = LoadStaging(st, md.files, md.checksum_block_bytes, verify_checksums)
+        st = _resolve_for_all(path, comm, op, timeout)
         failure: Exception | None = None
+        staging = LoadStaging(st, (), CHECKSUM_BLOCK_BYTES, verify_checksums)
         try:
+            with metrics.phase("metadata"):
+                md = parse_metadata(st, _node_broadcast(comm, process_group, lambda: st.read_bytes(METADATA_FILE),
+                                                        op, timeout))
+            staging = LoadStaging(st, md.files, md.checksum_block_bytes, verify_checksums)
             plan, targets, values, result = _prepare(st, md, state, adapter, strict, process_group, allow_pickle,
                                                      verify_checksums)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others wait
-            failure, plan = e, LoadPlan()
+            failure, plan, targets = e, LoadPlan(), LoadTargets()
         read_all_shared(staging, plan.items, num_threads, process_group, comm, op, timeout, failure,
                         check=lambda: _check(targets))
     _commit(staging, plan, targets, values, num_threads)
@@ -135,25 +140,65 @@ def _commit(staging: LoadStaging, plan: LoadPlan, targets: LoadTargets, values: 
         finish()
 
 
-def _shared_metadata(path: str | os.PathLike, comm: Comm, op: str, timeout: timedelta) \
-        -> tuple[Storage, CheckpointMetadata]:
-    """A collective load's checkpoint and metadata: rank 0 of the group resolves `path` and reads the
-    metadata file, every rank gets its text through the Comm and parses it. All ranks load the same
-    checkpoint, even while a save moves a root's `latest`."""
-    message, st, own = None, None, None
-    with metrics.phase("metadata"):
-        if comm.is_coordinator:
-            try:
-                st = resolve(path)
-                message = CheckpointText(st.root, st.read_bytes(METADATA_FILE).decode("utf-8", "surrogateescape"))
-            except Exception as e:  # noqa: BLE001 - every rank raises it
-                own, message = e, LoadFailure.of(comm.rank, e)
-            message = codec.to_wire(message)
-        received = codec.from_wire(comm.broadcast(message, f"{op}/metadata", timeout), (CheckpointText, LoadFailure))
-        if isinstance(received, LoadFailure):
-            raise_failures([received], own)
-        st = st or storage_for(received.root)
-        return st, parse_metadata(st, received.metadata.encode("utf-8", "surrogateescape"))
+def _resolve_for_all(path: str | os.PathLike, comm: Comm, op: str, timeout: timedelta) -> Storage:
+    """The checkpoint a collective load reads, resolved once by the group's rank 0 (module doc)."""
+    own, message = None, None
+    if comm.is_coordinator:
+        try:
+            message = ResolvedCheckpoint(resolve(path).root)
+        except Exception as e:  # noqa: BLE001 - every rank raises it
+            own, message = e, LoadFailure.of(comm.rank, e)
+        message = codec.to_wire(message)
+    received = codec.from_wire(comm.broadcast(message, f"{op}/checkpoint", timeout), (ResolvedCheckpoint, LoadFailure))
+    if isinstance(received, LoadFailure):
+        raise_failures([received], own)
+    return storage_for(received.root)
+
+
+_NODE_GROUPS: dict[tuple, Any] = {}
+
+
+def _node_broadcast(comm: Comm, process_group, read: Callable[[], bytes], op: str, timeout: timedelta) -> bytes:
+    """`read()` on the lowest rank of each node, its bytes on every rank of that node (gloo, bounded
+    by `timeout`). A leader that cannot read sends a failure mark; its node's ranks raise naming it."""
+    import torch
+    import torch.distributed as dist
+    members = dist.get_process_group_ranks(process_group) if process_group is not None else \
+        list(range(dist.get_world_size()))
+    node = comm.nodes[comm.rank]
+    local = [r for r in range(comm.world_size) if comm.nodes[r] == node]
+    leader = local[0]
+    data, error = b"", None
+    if comm.rank == leader:
+        try:
+            data = read()
+        except Exception as e:  # noqa: BLE001 - the node's other ranks are told, then this rank raises it
+            error = e
+    if len(local) > 1:
+        ranks = tuple(members[r] for r in local)
+        group = _NODE_GROUPS.get(ranks)
+        if group is None:  # only this node's ranks take part in creating it
+            group = _NODE_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        size = torch.tensor([-1 if error is not None else len(data)], dtype=torch.int64)
+        _bounded(dist.broadcast(size, src=members[leader], group=group, async_op=True), comm, leader, op, timeout)
+        if size.item() < 0:
+            raise BCPError(f"{op}/metadata: rank {leader}, which reads the metadata for its node, could not read it")
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if comm.rank == leader and data else \
+            torch.empty(int(size.item()), dtype=torch.uint8)
+        if buf.numel():
+            _bounded(dist.broadcast(buf, src=members[leader], group=group, async_op=True), comm, leader, op, timeout)
+        data = buf.numpy().tobytes()
+    if error is not None:
+        raise error
+    return data
+
+
+def _bounded(work, comm: Comm, leader: int, op: str, timeout: timedelta) -> None:
+    try:
+        work.wait(timeout)
+    except RuntimeError as e:
+        raise CommTimeoutError(f"bcp {op}/metadata: rank {comm.rank} waited {timeout} for the metadata from rank "
+                               f"{leader} ({e})") from None
 
 
 _LOADS: dict[int, int] = {}  # collective loads so far, per Comm

@@ -47,13 +47,11 @@ from .errors import BCPError, ChecksumError, CommTimeoutError
 from .load_planner import ReadItem
 from .shards import is_dtensor, is_tensor_like
 from .storage import Storage
+from .storage.base import CONFIG
 
 _GROUPS: dict[tuple, object] = {}
 _TAGS: dict[tuple, int] = {}  # point-to-point tags used so far on each transfer group
 
-# Bytes of ranges in flight per rank (received and not yet verified, or read and not yet sent);
-# at least one range is always let through.
-TRANSFER_WINDOW_BYTES = 256 << 20
 _TAG_SPACE = 1 << 31  # c10d tags are C ints
 
 # A range's message: its bytes, then one status byte (1: read, 0: its owner failed to read it).
@@ -306,7 +304,7 @@ def _read_once(staging: LoadStaging, spans: dict, num_threads: int, process_grou
     """Each byte range read once across the group and sent to the other ranks that need it.
 
     Shared ranges go in one order on every rank: owners read and send them in it, receivers post and
-    take their receives in it, each with at most TRANSFER_WINDOW_BYTES in flight (and at least one
+    take their receives in it, each with at most `CONFIG.transfer_window_bytes` in flight (and at least one
     range). The first range not yet delivered can always move: its owner has sent every range before
     it and waits for a delivery only once it has sent all it read, and its receivers have taken every
     range before it, so its receive is posted. So the windows never deadlock.
@@ -380,7 +378,7 @@ def _read_once(staging: LoadStaging, spans: dict, num_threads: int, process_grou
         window = 0  # bytes of ranges being read, or sent and not yet received
         try:
             while todo or reads:
-                while todo and (window < TRANSFER_WINDOW_BYTES or not (reads or sent)):
+                while todo and (window < CONFIG.transfer_window_bytes or not (reads or sent)):
                     k = todo.popleft()
                     reads.append((k, pool.submit(metrics.bind(read), k)))
                     window += k[2] - k[1]
@@ -406,7 +404,7 @@ def _read_once(staging: LoadStaging, spans: dict, num_threads: int, process_grou
         window = 0
         try:
             while todo or posted:
-                while todo and (window < TRANSFER_WINDOW_BYTES or not posted):
+                while todo and (window < CONFIG.transfer_window_bytes or not posted):
                     k = todo.popleft()
                     posted.append(receive(k))
                     window += k[2] - k[1]

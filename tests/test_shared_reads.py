@@ -27,10 +27,11 @@ def _counting(cls_or_module, name, log, key):
 
 def _byte_sharing(rank, root) -> list:
     """Each rank on a host of its own: replicas need every byte, and each range is read once."""
-    from bcp_core import engine, shared_reads
+    from bcp_core import shared_reads
     from bcp_core.storage import LocalStorage
+    from bcp_core.storage.base import CONFIG
 
-    window, budget = shared_reads.TRANSFER_WINDOW_BYTES, engine.STAGING_BYTES
+    window, budget = CONFIG.transfer_window_bytes, CONFIG.load_staging_bytes
     model, optim = build("fsdp2")  # saved sharded...
     bcp.save(os.path.join(root, "ck"), {"model": model, "optimizer": optim}).wait()
     ref = full_state(model, optim)
@@ -49,14 +50,14 @@ def _byte_sharing(rank, root) -> list:
         # byte each range travels alone (in the same order on both ranks, so the windows cannot
         # deadlock); with no staging budget every received range is verified, dropped, and read again
         # into place once both ranks have verified everything.
-        shared_reads.TRANSFER_WINDOW_BYTES, engine.STAGING_BYTES = 1, 0
+        bcp.storage.configure_storage(transfer_window_bytes=1, load_staging_bytes=0)
         again, again_opt = build("ddp", seed=6)
         bcp.load(os.path.join(root, "ck"), {"model": again, "optimizer": again_opt}, share_reads=True)
         if rank == 0:
             assert_same(ref, full_state(again, again_opt), "second load with shared reads")
     finally:
         LocalStorage.read_into, shared_reads._host = real, host
-        shared_reads.TRANSFER_WINDOW_BYTES, engine.STAGING_BYTES = window, budget
+        bcp.storage.configure_storage(transfer_window_bytes=window, load_staging_bytes=budget)
     return [r for r in reads if not r[0].endswith(".json")]
 
 

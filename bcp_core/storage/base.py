@@ -35,6 +35,9 @@ class StorageConfig:
     direct_io: bool = True             # durable local files are written around the page cache (O_DIRECT)
     part_bytes: int = 16 << 20         # object-store upload part (S3 needs >= 5 MiB for all but the last)
     max_inflight_parts: int = 4        # parts buffered per file being uploaded (bounds memory)
+    load_staging_bytes: int = 1 << 30  # a load from storage without memory maps keeps this many verified bytes
+    #                                    per rank; beyond, it verifies in a first pass and reads again at commit
+    transfer_window_bytes: int = 256 << 20  # shared reads: bytes in flight per rank (received or read, not done)
     retry_attempts: int = 5            # attempts per request, the first one included
     retry_base_delay: float = 0.2      # seconds before the first retry; doubles each time, with jitter
     retry_max_delay: float = 10.0
@@ -57,7 +60,7 @@ def configure_storage(**changes: Any) -> StorageConfig:
                 raise ValueError(f"storage setting direct_io={v!r} must be True or False")
             setattr(CONFIG, k, v)
             continue
-        lowest = 0 if k in ("retry_base_delay", "retry_max_delay") else 1
+        lowest = 0 if k in ("retry_base_delay", "retry_max_delay", "load_staging_bytes") else 1
         if not isinstance(v, (int, float)) or v < lowest:
             raise ValueError(f"storage setting {k}={v!r} must be a number >= {lowest}")
         setattr(CONFIG, k, v)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import bcp_core as bcp
 from bcp_core.shards import Box, ShardedView
+from bcp_core.storage import LocalStorage
 
 
 def main() -> None:
@@ -39,6 +40,20 @@ def main() -> None:
         result = f"COMMITTED {handle.wait()}"
     except bcp.SaveError as e:
         result = f"REFUSED {e}"
+    if result.startswith("COMMITTED"):
+        # a collective load: the metadata is read once per node (here each node has one process)
+        reads = []
+        read_bytes = LocalStorage.read_bytes
+
+        def counting(self, relpath):
+            reads.append(relpath)
+            return read_bytes(self, relpath)
+        LocalStorage.read_bytes = counting
+        target = {"w": ShardedView((8,), torch.float32, [Box((4 * rank,), (4,), torch.zeros(4))])}
+        bcp.load(args.path, target, share_reads=True, strict=False)
+        LocalStorage.read_bytes = read_bytes
+        got = target["w"].boxes[0].view
+        result += f"\nLOADED {torch.equal(got, half)} metadata_reads={reads.count('bcp_metadata.json')}"
     with open(os.path.join(args.out, f"result_rank{rank}"), "w") as f:
         f.write(result)
     print(result, flush=True)

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 import bcp_core as bcp
-from bcp_core import engine, staging
+from bcp_core import staging
+from bcp_core.storage.base import CONFIG
 from bcp_core.errors import ChecksumError, KeyMismatchError
 from bcp_core.storage import storage_for
 from dist import run_ranks
@@ -105,7 +106,7 @@ def where(request, tmp_path, monkeypatch):
         return str(tmp_path / "ck")
     request.getfixturevalue("s3")
     if request.param == "s3-two-pass":
-        monkeypatch.setattr(engine, "STAGING_BYTES", 0)
+        monkeypatch.setattr(CONFIG, "load_staging_bytes", 0)
     return f"s3://{BUCKET}/atomic-{uuid.uuid4().hex[:8]}"
 
 
@@ -140,7 +141,7 @@ def test_a_corrupted_block_fails_the_load_and_changes_nothing(where):
 
 def test_a_file_changed_between_the_two_passes_is_detected(s3, monkeypatch):  # noqa: F811
     """Beyond the staging budget a tensor is read twice: a change in between fails the second read."""
-    monkeypatch.setattr(engine, "STAGING_BYTES", 0)
+    monkeypatch.setattr(CONFIG, "load_staging_bytes", 0)
     path = f"s3://{BUCKET}/changed-{uuid.uuid4().hex[:8]}"
     bcp.save(path, {"w": torch.arange(1000.0)}).wait()
     file, pos = _last_piece(path)

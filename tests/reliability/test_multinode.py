@@ -4,7 +4,8 @@ item 9): two torchrun node groups on this host, one process each, rendezvous on 
 With memory:// and a RAM directory of each node's own (as on two machines), every node wrote
 its part into storage the other cannot read: the save must fail on both, naming the storage,
 and commit nothing. With storage both reach (a local directory here, a shared file system or an
-object store on a cluster), the same job commits a checkpoint that loads.
+object store on a cluster), the same job commits a checkpoint that loads; a collective load reads
+the metadata file once per node.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def test_storage_not_shared_by_the_nodes_is_refused(tmp_path):
     (tmp_path / "result_rank0").unlink()
     results = _two_nodes(str(shared), tmp_path, None)
     assert all(text.startswith("COMMITTED") for text in results), results
+    # and a collective load reads the metadata once per node, each node's share back exactly
+    assert all(text.endswith("LOADED True metadata_reads=1") for text in results), results
     bcp_verify(str(shared))
     target = {"w": torch.zeros(8), "b": torch.zeros(3)}
     bcp.load(str(shared), target)
