@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -49,6 +50,35 @@ def _default_store():
         return dist.distributed_c10d._get_default_store()
     except (AttributeError, RuntimeError) as e:  # pragma: no cover - torch internals moved
         raise BCPError(f"cannot reach the process group's key-value store on torch {dist.__name__}: {e}") from None
+
+
+_THREAD = threading.local()
+
+
+def _thread_store(base):
+    """This thread's own connection to the job's store `base`.
+
+    A store client runs one operation at a time. Sharing one, a blocking wait in one thread (a
+    save's commit round in the background, torch creating a group on the main thread) holds up
+    every other thread's messages, and two ranks waiting on each other that way deadlock.
+    """
+    stores = getattr(_THREAD, "stores", None)
+    if stores is None:
+        stores = _THREAD.stores = {}
+    entry = stores.get(id(base))
+    if entry is None or entry[0] is not base:
+        entry = stores[id(base)] = (base, base.clone())  # `base` kept: its id stays its own
+    return entry[1]
+
+
+def _forget_in_child() -> None:
+    """A forked child shares its parent's sockets: it must not talk through the parent's connections."""
+    global _THREAD
+    _THREAD = threading.local()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 @dataclass(frozen=True)
@@ -163,7 +193,7 @@ class Comm:
         # elastic restart keeps the launcher's store, and the new workers' operation names restart.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self._prefix = f"bcp/{tag}/{_members_id(members)}/a{attempt}/"
-        self._store = _default_store()
+        self._base_store = _default_store()
         fan_in = fan_in if fan_in is not None else _env_int("BCP_FAN_IN") or DEFAULT_FAN_IN
         local = local_world_size or _env_int("BCP_LOCAL_WORLD_SIZE") or _env_int("LOCAL_WORLD_SIZE")
         if local is not None and local < 1:
@@ -171,6 +201,10 @@ class Comm:
         # a node holds consecutive global ranks; a subgroup's members are placed by their global rank
         self.nodes = [m // local for m in members] if local else [0] * len(members)
         self.tree = build_tree(self.nodes, fan_in)
+
+    @property
+    def _store(self):
+        return _thread_store(self._base_store)
 
     @property
     def is_coordinator(self) -> bool:

@@ -58,9 +58,11 @@ class LoadPlan:
 
 
 def plan_load(md: CheckpointMetadata, lt: LoadTargets, rank: int, allow_pickle: bool,
-              shard_reader: Callable[[str], Any]) -> LoadPlan:
+              shard_reader: Callable[[str], Any],
+              check_files: Callable[[str, TensorMeta], None] = lambda fqn, tm: None) -> LoadPlan:
     """The plan that fills `lt` from the checkpoint `md` on `rank`. `shard_reader(fqn)` opens a
-    sharded object's shards for reading."""
+    sharded object's shards for reading. `check_files(fqn, tm)` raises unless the data files hold
+    the bytes of `tm`'s pieces: called before a tensor is allocated from the metadata's shape."""
     plan = LoadPlan()
     saved = md.keys()
     for t in fill_containers(lt, saved):  # keys the checkpoint has below a plain dict the dict lacks
@@ -84,22 +86,24 @@ def plan_load(md: CheckpointMetadata, lt: LoadTargets, rank: int, allow_pickle: 
                 plan.items.extend(box_read_items(fqn, v, Box((0,) * len(v.shape), v.shape, target.tensor),
                                                  target.fresh))
             else:
-                plan.items.extend(_new_tensor(plan, target, v))
+                plan.items.extend(_new_tensor(plan, target, v, check_files))
         else:
             tm = md.tensors[fqn]
             if target.tensor is None:
                 if target.set_value is None:
                     raise ShapeMismatchError(f"{fqn!r} is a tensor in the checkpoint but not in the target")
-                plan.items.extend(_new_tensor(plan, target, tm))
+                plan.items.extend(_new_tensor(plan, target, tm, check_files))
             else:
                 plan.items.extend(read_items(fqn, tm, target.tensor, target.fresh))
     return plan
 
 
-def _new_tensor(plan: LoadPlan, target: LoadTarget, tm: TensorMeta) -> list[ReadItem]:
+def _new_tensor(plan: LoadPlan, target: LoadTarget, tm: TensorMeta,
+                check_files: Callable[[str, TensorMeta], None]) -> list[ReadItem]:
     """Read `tm` whole into a new tensor that goes to the target once the load succeeded."""
     if target.set_value is None:
         raise BCPError(f"cannot set {target.fqn!r}: it takes no new tensor of shape {tuple(tm.shape)}")
+    check_files(target.fqn, tm)  # the shape is a claim of the metadata until the files back it
     t = torch.empty(tm.shape, dtype=tm.dtype)
     plan.late.append((target, t))
     return box_read_items(target.fqn, tm, Box((0,) * len(tm.shape), tm.shape, t), fresh=True)

@@ -34,7 +34,8 @@ from .errors import BCPError, CommTimeoutError, KeyMismatchError
 from .flatten import LoadTargets, load_targets
 from .layout import resolve
 from .load_planner import LoadPlan, plan_load, set_target
-from .metadata import CHECKSUM_BLOCK_BYTES, METADATA_FILE, CheckpointMetadata
+from .metadata import (CHECKSUM_BLOCK_BYTES, METADATA_FILE, CheckpointMetadata, TensorMeta, check_file_sizes,
+                       read_metadata_file)
 from .shared_reads import LoadFailure, group_size, raise_failures, read_all_shared, worth_sharing
 from .staging import finish_lazy_copies
 from .storage import Storage, storage_for
@@ -53,7 +54,7 @@ class LoadResult:
 
 @metrics.timed("metadata")
 def read_metadata(st: Storage) -> CheckpointMetadata:
-    return parse_metadata(st, st.read_bytes(METADATA_FILE))
+    return parse_metadata(st, read_metadata_file(st))
 
 
 @gc_paused
@@ -93,7 +94,7 @@ def load_checkpoint(path: str | os.PathLike, state: dict, framework: str = "auto
         staging = LoadStaging(st, (), CHECKSUM_BLOCK_BYTES, verify_checksums)
         try:
             with metrics.phase("metadata"):
-                md = parse_metadata(st, _node_broadcast(comm, process_group, lambda: st.read_bytes(METADATA_FILE),
+                md = parse_metadata(st, _node_broadcast(comm, process_group, lambda: read_metadata_file(st),
                                                         op, timeout))
             staging = LoadStaging(st, md.files, md.checksum_block_bytes, verify_checksums)
             plan, targets, values, result = _prepare(st, md, state, adapter, strict, process_group, allow_pickle,
@@ -113,12 +114,23 @@ def _prepare(st: Storage, md: CheckpointMetadata, state: dict, adapter, strict: 
     """Everything decided and checked before a byte of a tensor is read; nothing of the state changes."""
     targets = load_targets(state, md, adapter)
     plan = plan_load(md, targets, this_rank(process_group), allow_pickle,
-                     lambda fqn: ShardReader(st, md, fqn, allow_pickle, verify_checksums))
+                     lambda fqn: ShardReader(st, md, fqn, allow_pickle, verify_checksums), _file_checker(st, md))
     result = LoadResult(st.root, plan.missing, plan.unexpected)
     if strict and (result.missing or result.unexpected):
         raise KeyMismatchError(_key_report(st.root, result))
     values = [(v, v.fetch()) for v in plan.values]  # decoded (or read) and checked, not handed over yet
     return plan, targets, values, result
+
+
+def _file_checker(st: Storage, md: CheckpointMetadata) -> Callable[[str, TensorMeta], None]:
+    """`check_file_sizes` for one tensor's pieces, each data file's size asked for once."""
+    sizes: dict[str, int] = {}
+
+    def size_of(rel: str) -> int:
+        if rel not in sizes:
+            sizes[rel] = st.size(rel)
+        return sizes[rel]
+    return lambda fqn, tm: check_file_sizes(md, size_of, [(f"tensor {fqn!r}", tm.pieces)], st.root)
 
 
 def _check(targets: LoadTargets) -> None:

@@ -29,7 +29,7 @@ from .errors import PlanError, SaveError
 from .flatten import SaveLeaf
 from .metadata import (CheckpointMetadata, ObjectPiece, ObjectValue, PerRankMeta, Piece, ShardedObjectMeta,
                        TensorMeta, dtype_from_name, dtype_name, element_size)
-from .shards import LocalTensor, ObjectShard, intersect, is_tensor_like, local_tensor
+from .shards import LocalTensor, ObjectShard, is_tensor_like, local_tensor, tiling_fault
 from .utils import digest, gc_paused
 
 log = logging.getLogger("bcp")
@@ -366,73 +366,21 @@ def global_save_plan(structures: list[SaveStructure],
 
 
 def _check_coverage(tensor_info, holders) -> None:
+    """The distinct boxes the ranks hold of each tensor tile its global shape exactly (identical boxes
+    are replicas: `holders` has one key for them)."""
     boxes_of: dict[str, list[tuple[tuple, tuple]]] = {}
     for fqn, offs, lens in holders:
         boxes_of.setdefault(fqn, []).append((offs, lens))
     for fqn, (_, shape, _) in tensor_info.items():
         boxes = boxes_of.get(fqn, [])
-        total = math.prod(shape)
-        covered = sum(math.prod(lens) for _, lens in boxes)
-        if total == 0:
+        fault = tiling_fault(shape, boxes)
+        if fault is None:
             continue
-        overlap = (_first_overlap_np if len(shape) and len(boxes) >= _NUMPY_BOXES else _first_overlap)(boxes)
-        if overlap is not None:
-            (a_off, a_len), (b_off, b_len) = overlap
-            raise PlanError(f"tensor {fqn!r}: saved boxes overlap without being identical: "
-                            f"offsets {a_off} lengths {a_len} and offsets {b_off} lengths {b_len}; "
-                            "ranks disagree about the sharding")
-        if covered != total:
-            raise PlanError(f"tensor {fqn!r} of shape {tuple(shape)}: the ranks' shards cover {covered} of "
-                            f"{total} elements; some part of the tensor is held by no rank")
-
-
-# A tensor with this many distinct boxes is checked with numpy: at 8,960 ranks with every
-# parameter split over DP, the pure-Python sweep was three quarters of the global plan's time.
-_NUMPY_BOXES = 64
-_PAIRS_PER_CHUNK = 1 << 22
-
-
-def _first_overlap(boxes: list[tuple[tuple, tuple]]):
-    """Two boxes that overlap, or None. Sweep along dim 0: boxes rarely share many dim-0 ranges."""
-    active: list[tuple[tuple, tuple]] = []
-    for off, ln in sorted(boxes, key=lambda b: b[0]):
-        if off:
-            active = [a for a in active if a[0][0] + a[1][0] > off[0]]
-        for a in active:
-            if intersect(a[0], a[1], off, ln) is not None:
-                return a, (off, ln)
-        active.append((off, ln))
-    return None
-
-
-def _first_overlap_np(boxes: list[tuple[tuple, tuple]]):
-    """`_first_overlap` for many boxes, vectorised: the same candidate pairs (after sorting by
-    offsets, box j > i is a candidate while it starts in dim 0 before box i ends), tested at once."""
-    import numpy as np
-    off = np.array([b[0] for b in boxes], dtype=np.int64)
-    end = off + np.array([b[1] for b in boxes], dtype=np.int64)
-    order = np.lexsort(off.T[::-1])
-    off, end = off[order], end[order]
-    k = len(boxes)
-    stop = np.searchsorted(off[:, 0], end[:, 0], side="left")  # first j whose dim-0 start is past i's end
-    counts = np.maximum(stop - np.arange(k) - 1, 0)
-    bounds = np.cumsum(counts)
-    i0 = 0
-    while i0 < k:  # chunks of about _PAIRS_PER_CHUNK pairs bound the memory
-        i1 = max(i0 + 1, int(np.searchsorted(bounds, bounds[i0] - counts[i0] + _PAIRS_PER_CHUNK, side="right")))
-        c = counts[i0:i1]
-        n = int(c.sum())
-        if n:
-            first = np.repeat(np.arange(i0, i1), c)
-            second = first + 1 + np.arange(n) - np.repeat(np.cumsum(c) - c, c)
-            # boxes overlap where, in every dim, the larger start lies before the smaller end
-            hit = np.all(np.maximum(off[first], off[second]) < np.minimum(end[first], end[second]), axis=1)
-            if hit.any():
-                p = int(np.argmax(hit))
-                return boxes[order[first[p]]], boxes[order[second[p]]]
-        i0 = i1
-    return None
-
+        held = " and ".join(f"offsets {list(boxes[i][0])} lengths {list(boxes[i][1])} (ranks "
+                            f"{[h[0] for h in holders[(fqn, *boxes[i])]]})" for i in fault.at)
+        what = f"boxes {held} {fault.problem}" if fault.at else f"the ranks' boxes {fault.problem}"
+        raise PlanError(f"tensor {fqn!r} of shape {tuple(shape)}: {what}; the ranks disagree about its sharding "
+                        "or some part of it is held by no rank")
 
 
 # ----------------------------------------------------------------------------- metadata

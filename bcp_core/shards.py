@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,6 +204,122 @@ def range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tup
         for offs, lens, first in range_boxes(rest, 0, stop - start):
             out.append(((row, *offs), (1, *lens), start + first))
     return out
+
+
+# ----------------------------------------------------------------------------- tiling
+
+@dataclass(frozen=True)
+class TilingFault:
+    """Why boxes do not tile a shape. `at`: the indices (into the boxes checked) of the box that lies
+    outside the shape or of the two boxes that overlap; empty when the boxes leave a gap. `problem`
+    completes a sentence about them ("lies outside shape (4, 4)", "overlap", "cover 12 of ...")."""
+
+    at: tuple[int, ...]
+    problem: str
+
+
+def tiling_fault(shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> TilingFault | None:
+    """Why `boxes` ((offsets, lengths) each) do not tile `shape` exactly, or None when they do.
+
+    Boxes tile a shape when each lies inside it, no two share an element and no element is left
+    out. Inside and disjoint, they leave nothing out exactly when their element counts add up to the
+    shape's, which is what is checked last. A box without elements holds nothing and overlaps
+    nothing; two identical boxes overlap (a caller that means them as replicas passes one).
+    """
+    shape = tuple(shape)
+    total = math.prod(shape)
+    if shape and len(boxes) >= _NUMPY_BOXES and total < 1 << 62:  # sums below stay within int64
+        arrays = _box_arrays(boxes, len(shape))
+        if arrays is not None:
+            return _tiling_fault_np(shape, total, boxes, *arrays)
+    for i, (off, ln) in enumerate(boxes):
+        if not (len(off) == len(ln) == len(shape) and all(type(x) is int for x in (*off, *ln))):
+            return TilingFault((i,), f"is not a box of {len(shape)} integer offsets and lengths")
+        if not all(0 <= o and 0 <= n and o + n <= s for o, n, s in zip(off, ln, shape)):
+            return TilingFault((i,), f"lies outside shape {shape}")
+    overlap = _first_overlap(boxes)
+    if overlap is not None:
+        return TilingFault(overlap, "overlap")
+    return _gap(shape, total, sum(math.prod(ln) for _, ln in boxes))
+
+
+def _gap(shape: tuple[int, ...], total: int, covered: int) -> TilingFault | None:
+    return None if covered == total else TilingFault((), f"cover {covered} elements but shape {shape} has {total}")
+
+
+# Boxes of one tensor are checked with numpy from this many on: at 8,960 ranks with every parameter
+# split over DP, the pure-Python sweep was three quarters of the global plan's time; from 16 boxes
+# on, numpy is the faster of the two (bench/plan_scale.py's 405B layouts).
+_NUMPY_BOXES = 16
+_PAIRS_PER_CHUNK = 1 << 22  # candidate pairs tested at once: bounds the memory of the numpy check
+
+
+def _first_overlap(boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> tuple[int, int] | None:
+    """The indices of two boxes that overlap, or None. Sweep along dim 0: boxes rarely share many
+    dim-0 ranges."""
+    active: list[int] = []
+    for i in sorted(range(len(boxes)), key=lambda i: tuple(boxes[i][0])):
+        off, ln = boxes[i]
+        if off:
+            active = [a for a in active if boxes[a][0][0] + boxes[a][1][0] > off[0]]
+        for a in active:
+            if intersect(boxes[a][0], boxes[a][1], off, ln) is not None:
+                return a, i
+        active.append(i)
+    return None
+
+
+def _box_arrays(boxes, dims: int):
+    """The boxes' offsets and lengths as (n, dims) int64 arrays, or None when they do not fit one
+    (ragged, not integers, beyond int64): the exact Python check then says what is wrong."""
+    import numpy as np
+    try:
+        off = np.array([b[0] for b in boxes], dtype=np.int64)
+        ln = np.array([b[1] for b in boxes], dtype=np.int64)
+    except (ValueError, TypeError, OverflowError):
+        return None
+    return (off, ln) if off.shape == ln.shape == (len(boxes), dims) else None
+
+
+def _tiling_fault_np(shape, total, boxes, off, ln) -> TilingFault | None:
+    """`tiling_fault` for many boxes, vectorised."""
+    import numpy as np
+    limit = np.array(shape, dtype=np.int64)
+    inside = ((off >= 0) & (ln >= 0) & (off <= limit - ln)).all(axis=1)  # no sum that could overflow
+    if not inside.all():
+        return TilingFault((int(np.argmin(inside)),), f"lies outside shape {shape}")
+    overlap = _first_overlap_np(off, off + ln)
+    if overlap is not None:
+        return TilingFault(overlap, "overlap")
+    return _gap(shape, total, int(np.prod(ln, axis=1).sum()))
+
+
+def _first_overlap_np(off, end) -> tuple[int, int] | None:
+    """`_first_overlap` on (n, dims) arrays of starts and ends: the same candidate pairs (after
+    sorting by offsets, box j > i is a candidate while it starts in dim 0 before box i ends), tested
+    at once."""
+    import numpy as np
+    order = np.lexsort(off.T[::-1])
+    off, end = off[order], end[order]
+    k = len(off)
+    stop = np.searchsorted(off[:, 0], end[:, 0], side="left")  # first j whose dim-0 start is past i's end
+    counts = np.maximum(stop - np.arange(k) - 1, 0)
+    bounds = np.cumsum(counts)
+    i0 = 0
+    while i0 < k:  # chunks of about _PAIRS_PER_CHUNK pairs bound the memory
+        i1 = max(i0 + 1, int(np.searchsorted(bounds, bounds[i0] - counts[i0] + _PAIRS_PER_CHUNK, side="right")))
+        c = counts[i0:i1]
+        n = int(c.sum())
+        if n:
+            first = np.repeat(np.arange(i0, i1), c)
+            second = first + 1 + np.arange(n) - np.repeat(np.cumsum(c) - c, c)
+            # boxes overlap where, in every dim, the larger start lies before the smaller end
+            hit = np.all(np.maximum(off[first], off[second]) < np.minimum(end[first], end[second]), axis=1)
+            if hit.any():
+                p = int(np.argmax(hit))
+                return int(order[first[p]]), int(order[second[p]])
+        i0 = i1
+    return None
 
 
 def intersect(a_off, a_len, b_off, b_len):

@@ -42,7 +42,7 @@ from bcp_core.engine import WrittenPiece
 from bcp_core.load_planner import box_read_items
 from bcp_core.loader import read_metadata
 from bcp_core.metadata import CHECKSUM_BLOCK_BYTES, METADATA_FILE, num_blocks
-from bcp_core.save_planner import (ObjectShardKey, PlanRequest, RankValueKey, SaveStructure, TensorBoxKey,
+from bcp_core.save_planner import (ObjectShardKey, PlanRequest, RankValueKey, SaveId, SaveStructure, TensorBoxKey,
                                    WriteReport, build_metadata, global_save_plan, plan_replies)
 from bcp_core.shards import Box, range_boxes
 from bcp_core.storage import storage_for
@@ -128,6 +128,9 @@ def rank_coords(rank, tp, dp):
     return rank % tp, rank // tp % dp, rank // (tp * dp)
 
 
+SAVE = SaveId(1, 1000, "/ckpt/iter_0001000")  # the identity every message of the save carries
+
+
 def fake_reports(structures, gplan, rng, tp, dp):
     """What each rank reports after writing its assignment: pieces with file, offset, checksums."""
     reports = []
@@ -147,7 +150,7 @@ def fake_reports(structures, gplan, rng, tp, dp):
             pos += 300
         pieces.append(WrittenPiece(RankValueKey("extra_state.cuda_rng"), file, pos, 16, (rng.getrandbits(64),)))
         reports.append(WriteReport(
-            st.digest(),
+            SAVE, st.digest(),
             {"optimizer.param_groups": [{"lr": 1e-4, "params": ["..."]}], "iteration": 1000,
              "args": {"tp": 8}, "checkpoint_version": 3.0} if r == 0 else {},
             {"extra_state.rng": {"seed": r % 70}, "extra_state.cuda_rng": ["uint8", [16], f"{r % 7:032x}"]},
@@ -196,7 +199,8 @@ def main(argv=None) -> dict:
     for r in range(world):
         t, d, p = rank_coords(r, a.tp, a.dp)
         st = rank_structure(stages[p], a.tp, a.dp, t, d, a.zero)
-        messages.append(json.dumps(codec.to_wire(PlanRequest(st.digest(), st)), separators=(",", ":")).encode())
+        request = PlanRequest(SAVE, st.digest(), None, st)
+        messages.append(json.dumps(codec.to_wire(request), separators=(",", ":")).encode())
     out["build_messages_s"] = time.perf_counter() - t0
     out["gathered_mib"] = sum(map(len, messages)) / 2**20
     out["boxes"] = sum(len(b[3]) for m in messages[:1] for b in codec.from_wire(json.loads(m)).structure.tensors)
@@ -232,7 +236,7 @@ def main(argv=None) -> dict:
     gplan = global_save_plan(structures)
     t2 = time.perf_counter()
     # the coordinator's part of the scatter: one message per child, holding its subtree's replies
-    replies = plan_replies(gplan, "0" * 8)
+    replies = plan_replies(gplan, SAVE, "0" * 8, "p" * 16)
     to_children = subtree_messages(tree, 0, replies)
     t3 = time.perf_counter()
     out["decode_s"], out["global_plan_s"], out["scatter_encode_s"] = t1 - t_plan, t2 - t1, t3 - t2

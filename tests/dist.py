@@ -17,13 +17,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stacks_file(port: int, rank: int) -> str:
+    import tempfile
+    return os.path.join(tempfile.gettempdir(), f"bcp-test-stacks-{port}-{rank}.txt")
+
+
 def _worker(rank, world_size, port, fn, args, queue):
+    import faulthandler
+    import signal
     import torch
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
+    # a hung rank's Python stacks, asked for by the parent on timeout (SIGUSR1)
+    stacks = open(_stacks_file(port, rank), "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
         result = fn(rank, world_size, *args)
@@ -50,8 +60,8 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 180.0) -> list:
         while len(results) < world_size:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish "
-                                   f"within {timeout}s")
+                hung = sorted(set(range(world_size)) - set(results))
+                raise TimeoutError(f"ranks {hung} did not finish within {timeout}s\n" + _stacks(procs, port, hung))
             try:
                 rank, status, value = queue.get(timeout=min(left, 1.0))
                 results[rank] = (status, value)
@@ -72,12 +82,33 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 180.0) -> list:
     finally:
         for p in procs:
             p.join(timeout=10)
+            if os.path.exists(_stacks_file(port, procs.index(p))):
+                os.remove(_stacks_file(port, procs.index(p)))
             if p.is_alive():
                 p.kill()
     errors = [f"--- rank {r} ---\n{v}" for r, (s, v) in sorted(results.items()) if s == "error"]
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r][1] for r in range(world_size)]
+
+
+def _stacks(procs, port: int, ranks: list[int]) -> str:
+    """The Python stacks of the given (hung) ranks, dumped by faulthandler."""
+    import signal
+    out = []
+    for r in ranks:
+        try:
+            os.kill(procs[r].pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            continue
+    time.sleep(1.0)
+    for r in ranks:
+        try:
+            with open(_stacks_file(port, r)) as f:
+                out.append(f"--- rank {r} stacks ---\n{f.read()[-6000:]}")
+        except OSError:
+            pass
+    return "\n".join(out)
 
 
 RECIPES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "recipes")

@@ -119,36 +119,3 @@ def test_tree_matches_flat_and_respects_fan_in(tmp_path):
     assert results[9]["tree_wait"] == FAN_IN
     assert _normalised(tmp_path / "tree") == _normalised(tmp_path / "flat")
     assert not (tmp_path / "missing" / "bcp_metadata.json").exists()
-
-
-def test_vectorised_overlap_check_agrees_with_the_sweep():
-    """The planner checks tensors with many boxes with numpy (planning at scale); it must find an
-    overlap exactly when the sweep does, in tilings, with empty boxes, and across memory chunks."""
-    import random
-
-    import bcp_core.save_planner as planner
-    from bcp_core.shards import intersect
-    rng = random.Random(0)
-    cases = []
-    for trial in range(300):
-        d = rng.choice([1, 2, 3])
-        cases.append(list({(tuple(rng.randint(0, 40) for _ in range(d)),
-                            tuple(rng.randint(0 if rng.random() < 0.1 else 1, 5) for _ in range(d)))
-                           for _ in range(rng.randint(2, 150))}))
-        tiles = {((i * 3, j * 4), (3, 4)) for i in range(rng.randint(1, 12)) for j in range(rng.randint(1, 12))}
-        if trial % 2:
-            tiles.add(((2, 3), (2, 2)))
-        cases.append(list(tiles))
-    chunk = planner._PAIRS_PER_CHUNK
-    found = {True: 0, False: 0}
-    try:
-        for planner._PAIRS_PER_CHUNK in (chunk, 7):
-            for boxes in cases:
-                slow, fast = planner._first_overlap(boxes), planner._first_overlap_np(boxes)
-                assert (slow is None) == (fast is None), boxes
-                if fast is not None:
-                    assert intersect(*fast[0], *fast[1]) is not None
-                found[fast is not None] += 1
-    finally:
-        planner._PAIRS_PER_CHUNK = chunk
-    assert found[True] > 100 and found[False] > 100

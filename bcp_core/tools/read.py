@@ -16,8 +16,8 @@ from tqdm.auto import tqdm
 from .. import layout
 from ..engine import read_all
 from ..load_planner import box_read_items
-from ..loader import read_metadata
-from ..metadata import CheckpointMetadata, TensorMeta, element_size
+from ..loader import parse_metadata
+from ..metadata import CheckpointMetadata, TensorMeta, check_file_sizes, element_size, read_metadata_file
 from ..shards import Box
 from ..storage import Storage
 
@@ -35,9 +35,10 @@ def progress_bar(total: int, desc: str, enabled: bool = True) -> tqdm:
 
 
 def open_checkpoint(path: str) -> tuple[Storage, CheckpointMetadata]:
-    """The checkpoint at `path` (a checkpoint directory, or a root: its latest complete one) and its metadata."""
+    """The checkpoint at `path` (a checkpoint directory, or a root: its latest complete one) and its
+    metadata, validated (a metadata file over the size cap is refused without being read)."""
     st = layout.resolve(path)
-    return st, read_metadata(st)
+    return st, parse_metadata(st, read_metadata_file(st))
 
 
 def sections(keys) -> dict[str, list[str]]:
@@ -63,7 +64,9 @@ def row_blocks(shape: tuple[int, ...], esize: int, max_bytes: int) -> list[tuple
 
 def read_blocks(st: Storage, md: CheckpointMetadata, fqn: str, tm: TensorMeta, num_threads: int = 4,
                 max_bytes: int = CHUNK_BYTES) -> Iterator[torch.Tensor]:
-    """The tensor in C order, as consecutive dim-0 blocks, each read from whatever pieces overlap it."""
+    """The tensor in C order, as consecutive dim-0 blocks, each read from whatever pieces overlap it
+    (a block is at least one row: the tensor's files are checked to hold its bytes first)."""
+    check_file_sizes(md, st.size, [(f"tensor {fqn!r}", tm.pieces)], st.root)
     for offsets, lengths in row_blocks(tuple(tm.shape), element_size(tm.dtype), max_bytes):
         buf = torch.empty(lengths, dtype=tm.dtype)
         read_all(st, md.files, md.checksum_block_bytes, box_read_items(fqn, tm, Box(offsets, lengths, buf)),
@@ -76,6 +79,8 @@ def read_tensor(st: Storage, md: CheckpointMetadata, fqn: str, num_threads: int 
 
 
 def read_whole(st: Storage, md: CheckpointMetadata, fqn: str, tm: TensorMeta, num_threads: int) -> torch.Tensor:
+    """The tensor, in one new tensor: allocated only once its files are known to hold its bytes."""
+    check_file_sizes(md, st.size, [(f"tensor {fqn!r}", tm.pieces)], st.root)
     out = torch.empty(tm.shape, dtype=tm.dtype)
     read_all(st, md.files, md.checksum_block_bytes,
              box_read_items(fqn, tm, Box((0,) * len(tm.shape), tuple(tm.shape), out)), True, num_threads)

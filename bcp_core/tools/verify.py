@@ -1,4 +1,8 @@
-"""`bcp verify`: completeness, data-file framing, piece layout and every checksum. Never unpickles."""
+"""`bcp verify`: completeness, data-file sizes and framing, every checksum. Never unpickles.
+
+The piece layout (every tensor tiled exactly by its pieces) and the caps on every field are checked
+when the metadata is parsed: a checkpoint whose metadata fails them has one fault, "metadata".
+"""
 
 from __future__ import annotations
 
@@ -11,15 +15,14 @@ import torch
 from ..engine import read_all, read_verified
 from ..errors import BCPError, ChecksumError
 from ..load_planner import ReadItem
-from ..metadata import CheckpointMetadata, Piece, TensorMeta, element_size, num_blocks
-from ..shards import intersect
+from ..metadata import CheckpointMetadata, Piece, TensorMeta, element_size, file_extents, num_blocks
 from ..storage import Storage
 from .read import CHUNK_BYTES, box_str, open_checkpoint, progress_bar, row_blocks
 
 
 @dataclass
 class Fault:
-    kind: str      # missing-file, short-file, header, checksum, read, overlap, metadata
+    kind: str      # missing-file, short-file, header, checksum, read, metadata
     where: str     # file and byte range, or key
     detail: str
 
@@ -43,7 +46,8 @@ PieceRef = tuple[str, str, TensorMeta, Piece]
 
 
 def verify_checkpoint(path: str, num_threads: int = 4, progress: bool = False) -> dict:
-    """Check completeness, data file framing, piece layout and every checksum. Never unpickles."""
+    """Check completeness, the metadata (layout and caps), data file sizes and framing, and every checksum.
+    Never unpickles."""
     try:
         st, md = open_checkpoint(path)
     except BCPError as e:
@@ -53,7 +57,6 @@ def verify_checkpoint(path: str, num_threads: int = 4, progress: bool = False) -
     pieces = _pieces(md)
     bad_files, headers = _check_files(st, md, pieces, faults)
     _check_framing(st, md, pieces, headers, faults)
-    _check_overlaps(md, faults)
     checked = _check_checksums(st, md, pieces, bad_files, num_threads, progress, faults)
     return {"path": st.root, "ok": not [f for f in faults if f.kind != "stray-file"],
             "faults": [f.to_json() for f in faults], "checked_bytes": checked, "pieces": len(pieces),
@@ -80,11 +83,7 @@ def _check_files(st: Storage, md: CheckpointMetadata, pieces: list[PieceRef],
     Returns the indices of files not to read further, and the headers read."""
     listed: dict[str, set[str]] = {}  # a directory listed once rather than each file checked
     bad_files: set[int] = set()
-    needed_end = [0] * len(md.files)
-    spans = [(p.file, p.byte_offset, p.nbytes) for *_, p in pieces]
-    spans += [(p.file, p.byte_offset, p.nbytes) for so in md.sharded_objects.values() for p in so.shards]
-    for f, off, n in spans:
-        needed_end[f] = max(needed_end[f], off + n)
+    extents = file_extents(md)
     headers: dict[int, dict] = {}
     for i, rel in enumerate(md.files):
         d, _, name = rel.rpartition("/")
@@ -94,10 +93,10 @@ def _check_files(st: Storage, md: CheckpointMetadata, pieces: list[PieceRef],
             faults.append(Fault("missing-file", st.join(rel), "data file listed in the metadata does not exist"))
             bad_files.add(i)
             continue
-        size = st.size(rel)
-        if size < needed_end[i]:
-            faults.append(Fault("short-file", st.join(rel), f"file has {size} bytes but pieces extend to byte "
-                                f"{needed_end[i]} (truncated upload?)"))
+        size, ext = st.size(rel), extents.get(i)
+        if ext is not None and size < ext.end:
+            faults.append(Fault("short-file", st.join(rel), f"file has {size} bytes but {ext.piece} ends at byte "
+                                f"{ext.end} (truncated upload?)"))
             bad_files.add(i)
             continue
         try:
@@ -137,20 +136,6 @@ def _check_framing(st: Storage, md: CheckpointMetadata, pieces: list[PieceRef], 
                                 f"{key!r} (metadata and data file disagree)"))
         elif name and found != name:
             faults.append(Fault("header", where, f"header names the piece {found!r}, expected {name!r}"))
-
-
-def _check_overlaps(md: CheckpointMetadata, faults: list[Fault]) -> None:
-    """The pieces of a tensor do not overlap (their element counts were checked on parse)."""
-    for fqn, tm in md.tensors.items():
-        ps = sorted(tm.pieces, key=lambda p: p.offsets)
-        for i, a in enumerate(ps):
-            for b in ps[i + 1:]:
-                if len(tm.shape) and b.offsets[0] >= a.offsets[0] + a.lengths[0]:
-                    break
-                if math.prod(a.lengths) and math.prod(b.lengths) and intersect(a.offsets, a.lengths, b.offsets,
-                                                                             b.lengths) is not None:
-                    faults.append(Fault("overlap", fqn, f"pieces {box_str(a.offsets, a.lengths)} and "
-                                        f"{box_str(b.offsets, b.lengths)} overlap"))
 
 
 def _check_checksums(st: Storage, md: CheckpointMetadata, pieces: list[PieceRef], bad_files: set[int],

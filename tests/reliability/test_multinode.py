@@ -58,7 +58,7 @@ def test_storage_not_shared_by_the_nodes_is_refused(tmp_path):
     for d in dirs:
         os.makedirs(d)
     results = _two_nodes("memory://two-nodes/ckpt", tmp_path, dirs)
-    for r, text in enumerate(results):
+    for text in results:
         assert text.startswith("REFUSED"), text
         assert "memory://two-nodes/ckpt/step_00000001 is not shared by every node of the job" in text, text
     for d in dirs:  # nothing committed on either node

@@ -17,6 +17,7 @@ from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import bcp_core as bcp
 from dist import run_ranks
@@ -69,7 +70,6 @@ def _scenarios(rank, world_size, base):
     from bcp_core import checkpointer, save_planner
     from bcp_core.storage import local
     out = {}
-    t = timedelta(seconds=20)
 
     # 1. Saves with different timeouts, asynchronous and back to back: each commits its own step.
     #    (When a Comm was kept per timeout, the third save under the second timeout met the second
@@ -194,6 +194,7 @@ def _scenarios(rank, world_size, base):
     root = os.path.join(base, "keep")
     for step in (1, 2, 3):
         bcp.save(root, _state(rank, step), step=step, role="keep", keep=2)
+    dist.barrier()  # rank 0 rotates after the commit: the other rank may return before it did
     out["keep_rotated"] = _committed_steps(root)
     with _patched(local._LocalWriter, "write", _failing_everything) if rank == 1 else _nothing():
         with pytest.raises(bcp.SaveError, match="rank 1"):
