@@ -25,7 +25,9 @@ the slowest rank (wall time between barriers):
   checksum block is verified by one rank of the host, as the state holds DTensors over the whole
   group; also with `share_reads=False`, where each rank verifies every block it reads), DCP `load`;
   the resharded floor is a strided copy of exactly the needed half of every row out of memory
-  maps of the floor files;
+  maps of the floor files. Cold-cache loads too: the checkpoint's files are dropped from the page
+  cache first (POSIX_FADV_DONTNEED, no privilege needed), against the direct-read floor (O_DIRECT
+  reads of the floor files into aligned buffers);
 - peak RSS of the steady-state runs (separate processes: saves and loads), and their peak
   anonymous memory (RSS less the pages of memory-mapped checkpoint files, which are page cache).
 
@@ -110,6 +112,32 @@ class AnonPeak:
             time.sleep(0.005)
 
 
+def _evict(path: str) -> None:
+    """Drop the page-cache pages of every file under `path` (POSIX_FADV_DONTNEED on clean pages:
+    no privilege needed, unlike dropping every cache), so the next read comes from the disk."""
+    os.sync()
+    walk = os.walk(path) if os.path.isdir(path) else [(os.path.dirname(path), [], [os.path.basename(path)])]
+    for d, _, names in walk:
+        for n in names:
+            fd = os.open(os.path.join(d, n), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _cold(fn, *paths) -> float:
+    """`fn`'s time with the files under `paths` out of the page cache (best of 2)."""
+    times = []
+    for _ in range(2):
+        dist.barrier()
+        if dist.get_rank() == 0:
+            for p in paths:
+                _evict(p)
+        times.append(_timed(fn))
+    return min(times)
+
+
 def _max(x: float) -> float:
     t = torch.tensor([x], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -182,6 +210,17 @@ def _floors(gib, root):
         os.close(fd)
 
     read_s = min(_timed(read) for _ in range(3))
+    aligned = _aligned_copies(locals_)
+
+    def read_direct():  # from the disk around the page cache, into aligned buffers: the cold floor
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        off = 0
+        for m in aligned:
+            off += os.preadv(fd, [m], off)
+        os.close(fd)
+
+    direct_s = min(_timed(read_direct) for _ in range(3))
+    cold_buffered_s = _cold(read, *[os.path.join(root, f"floor_r{r}.bin") for r in range(dist.get_world_size())])
 
     # Shard(0) -> Shard(1): this rank's half of every row, out of every rank's file
     ws, cols = dist.get_world_size(), locals_[0].shape[1]
@@ -204,7 +243,8 @@ def _floors(gib, root):
 
     resharded_s = min(_timed(read_resharded) for _ in range(3))
     return {"copy_first_s": copy_first, "copy_s": copy_steady, "page_cache_read_s": read_s,
-            "page_cache_read_resharded_s": resharded_s}
+            "page_cache_read_resharded_s": resharded_s, "direct_read_s": direct_s,
+            "cold_buffered_read_s": cold_buffered_s}
 
 
 def _first(gib, root, system):
@@ -282,6 +322,9 @@ def _bcp_loads(gib, root, state) -> dict:
     out["load_resharded_unshared_s"] = min(_timed(lambda: bcp.load(os.path.join(root, "bcp_sync"), resharded,
                                                                    share_reads=False)) for _ in range(3))
     assert all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(state.values(), resharded.values()))
+    out["load_cold_s"] = _cold(lambda: bcp.load(os.path.join(root, "bcp_sync"), target), os.path.join(root, "bcp_sync"))
+    out["load_resharded_cold_s"] = _cold(lambda: bcp.load(os.path.join(root, "bcp_sync"), resharded),
+                                         os.path.join(root, "bcp_sync"))
     return out
 
 
@@ -330,6 +373,9 @@ def _dcp_loads(gib, root, state) -> dict:
     resharded = _state(gib, "shard1")
     out["load_resharded_s"] = min(_timed(lambda: dcp.load(resharded, checkpoint_id=os.path.join(root, "dcp_sync_1")))
                                   for _ in range(3))
+    path = os.path.join(root, "dcp_sync_1")
+    out["load_cold_s"] = _cold(lambda: dcp.load(target, checkpoint_id=path), path)
+    out["load_resharded_cold_s"] = _cold(lambda: dcp.load(resharded, checkpoint_id=path), path)
     return out
 
 
@@ -442,6 +488,10 @@ def main():
             "save_speedup_vs_dcp": e2e["dcp_save_s"] / e2e["bcp_save_s"],
             "load_speedup_vs_dcp": dcp_r["load_s"] / bcp_r["load_s"],
             "load_bcp_over_page_cache": bcp_r["load_s"] / floor_read,
+            "load_cold_bcp_over_direct_read": bcp_r["load_cold_s"] / floors["direct_read_s"],
+            "load_cold_speedup_vs_dcp": dcp_r["load_cold_s"] / bcp_r["load_cold_s"],
+            "resharded_load_cold_bcp_over_direct_read": bcp_r["load_resharded_cold_s"] / floors["direct_read_s"],
+            "resharded_load_cold_speedup_vs_dcp": dcp_r["load_resharded_cold_s"] / bcp_r["load_resharded_cold_s"],
             "resharded_load_speedup_vs_dcp": dcp_r["load_resharded_s"] / bcp_r["load_resharded_s"],
             "resharded_load_bcp_over_resharded_floor": bcp_r["load_resharded_s"] / floor_resh,
             "resharded_load_bcp_over_page_cache": bcp_r["load_resharded_s"] / floor_read,
@@ -471,6 +521,10 @@ def _load_table(args, root) -> dict:
         "ratios": {
             "load_speedup_vs_dcp": dcp_r["load_s"] / bcp_r["load_s"],
             "load_bcp_over_page_cache": bcp_r["load_s"] / floor_read,
+            "load_cold_bcp_over_direct_read": bcp_r["load_cold_s"] / floors["direct_read_s"],
+            "load_cold_speedup_vs_dcp": dcp_r["load_cold_s"] / bcp_r["load_cold_s"],
+            "resharded_load_cold_bcp_over_direct_read": bcp_r["load_resharded_cold_s"] / floors["direct_read_s"],
+            "resharded_load_cold_speedup_vs_dcp": dcp_r["load_resharded_cold_s"] / bcp_r["load_resharded_cold_s"],
             "resharded_load_speedup_vs_dcp": dcp_r["load_resharded_s"] / bcp_r["load_resharded_s"],
             "resharded_load_bcp_over_resharded_floor": bcp_r["load_resharded_s"] / floor_resh,
             "resharded_unshared_load_speedup_vs_dcp": dcp_r["load_resharded_s"] / bcp_r["load_resharded_unshared_s"],

@@ -1,13 +1,23 @@
 """What checkpointing costs a training loop: bcp lazy, bcp eager copy and DCP async_save, one run.
 
-    python bench/train_loop.py [--ranks 2] [--hidden 3072] [--layers 9] [--batch 32]
-                               [--steps 40] [--every 10] [--repeat 2] [--dir DIR]
+    python bench/train_loop.py [--loops fsdp2-mlp,ddp-transformer] [--ranks 2] [--steps 40]
+                               [--every 10] [--repeat 2] [--systems ...] [--dir DIR]
 
-Each rank trains an FSDP2-sharded MLP (`--layers` square layers of `--hidden`, Adam: with the
-defaults about 0.5 GiB of parameters and optimizer state per rank on 2 ranks). Every `--every`
-steps a checkpoint is asked for at the start of the step, asynchronously, after waiting for the
-previous one (k is chosen so one write fits in k steps). Per system, in fresh processes, systems
-alternated `--repeat` times (best run kept):
+Two loop shapes, each run for every system:
+
+- `fsdp2-mlp`: an FSDP2-sharded MLP (`--layers` square layers of `--hidden`, Adam: with the
+  defaults about 0.5 GiB of parameters and optimizer state per rank on 2 ranks); the checkpoint is
+  asked for at the start of a step. Its cost: that step (save call included) over a normal step.
+- `ddp-transformer`: the usual shape of a Lightning / HF Trainer loop. DDP over a stack of
+  `--tf-layers` `nn.TransformerEncoderLayer` (d=`--d-model`, ff=4·d; 4 layers of d=1024 are about
+  50M parameters in 64 tensors), AdamW; the checkpoint is asked for right after the optimizer
+  step, where ModelCheckpoint and the Trainer ask. Its cost: the save call plus the next whole
+  step, over a normal step.
+
+Every `--every` steps a checkpoint is asked for, asynchronously, after waiting for the previous one
+(k is chosen so one write fits in k steps). No system is given the state before its first save
+(`bcp_prepared` aside). Per loop and system, in fresh processes, systems alternated `--repeat`
+times (best run kept):
 
 - none: no checkpoints (the reference step time);
 - floor: a bare thread that copies the shards into reused buffers and writes them with direct I/O
@@ -45,9 +55,16 @@ from torch import nn
 from _spawn import run_ranks  # bench/_spawn.py
 
 SYSTEMS = ("none", "floor", "bcp_lazy", "bcp_prepared", "bcp_copy", "dcp")
+LOOPS = ("fsdp2-mlp", "ddp-transformer")
 
 
-def _model(hidden: int, layers: int):
+def _model(loop: str, hidden: int, layers: int, d_model: int, tf_layers: int):
+    if loop == "ddp-transformer":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.TransformerEncoderLayer(d_model, nhead=16, dim_feedforward=4 * d_model,
+                                                           batch_first=True) for _ in range(tf_layers)])
+        return DDP(model), torch.optim.AdamW(model.parameters(), lr=1e-4)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     torch.manual_seed(0)
@@ -69,6 +86,8 @@ def _saver(system: str, root: str, model, optim):
     """A function that starts one asynchronous save of step k and returns its waiter."""
     if system.startswith("bcp"):
         import bcp_core as bcp
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module  # what Lightning and the Trainer hand over
         snapshot = "copy" if system == "bcp_copy" else "lazy"
         state = {"model": model, "optimizer": optim}
         if system == "bcp_prepared":  # planned and staging faulted in before the timed steps
@@ -101,6 +120,8 @@ def _floor_saver(root: str, model, optim):
         return t.to_local() if hasattr(t, "to_local") else t
     tensors = [local(p) for p in model.parameters()]
     tensors += [local(v) for st in optim.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()]
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):  # replicated: each rank writes its share
+        tensors = tensors[dist.get_rank()::dist.get_world_size()]
     sizes = [-(-t.numel() * t.element_size() // 4096) * 4096 for t in tensors]
     maps = [mmap.mmap(-1, n) for n in sizes]  # page-aligned, faulted in once (as reused staging is)
     bufs = [torch.frombuffer(m, dtype=t.dtype, count=t.numel()).view(t.shape) for m, t in zip(maps, tensors)]
@@ -127,11 +148,14 @@ def _floor_saver(root: str, model, optim):
     return save
 
 
-def _job(system: str, root: str, hidden: int, layers: int, batch: int, steps: int, every: int) -> dict:
-    model, optim = _model(hidden, layers)
+def _job(loop: str, system: str, root: str, a: dict) -> dict:
+    model, optim = _model(loop, a["hidden"], a["layers"], a["d_model"], a["tf_layers"])
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(batch, hidden, generator=gen)
+    after = loop == "ddp-transformer"  # the checkpoint is asked for after the optimizer step
+    x = torch.randn(a["tf_batch"], a["seq"], a["d_model"], generator=gen) if after else \
+        torch.randn(a["batch"], a["hidden"], generator=gen)
+    steps, every = a["steps"], a["every"]
 
     phases: list[tuple[float, float]] = []  # per step: forward+backward, optimizer step
 
@@ -149,49 +173,71 @@ def _job(system: str, root: str, hidden: int, layers: int, batch: int, steps: in
     phases.clear()
     save = _saver(system, root, model, optim) if system != "none" else None
     waiter, times, waits, calls = None, [], [], []
+
+    def checkpoint(s: int) -> None:
+        nonlocal waiter
+        t0 = time.perf_counter()
+        if waiter is not None:
+            waiter()  # at most one checkpoint in flight: k steps are meant to cover one write
+        t1 = time.perf_counter()
+        waiter = save(s)
+        waits.append(t1 - t0)
+        calls.append(time.perf_counter() - t1)
+
     dist.barrier()
     for s in range(steps):
+        due = save is not None and s and s % every == 0
         t0 = time.perf_counter()
-        if save is not None and s and s % every == 0:
-            if waiter is not None:
-                waiter()  # at most one checkpoint in flight: k steps are meant to cover one write
-            t1 = time.perf_counter()
-            waiter = save(s)
-            waits.append(t1 - t0)
-            calls.append(time.perf_counter() - t1)
+        if due and not after:
+            checkpoint(s)
         step()
-        times.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0)  # with the save call when it comes first
+        if due and after:
+            checkpoint(s)
     t0 = time.perf_counter()
     if waiter is not None:
         waiter()
     tail = time.perf_counter() - t0
+    outside = sum(waits) + sum(calls) if after else 0.0  # not inside a step's time when after it
     times = _max_all(times)
-    total = _max_all([sum(times) + tail])[0]
+    total = _max_all([sum(times) + tail + outside])[0]
     rss = _max_all([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20])[0]  # GiB (ru_maxrss is KiB)
     ckpt = [s for s in range(steps) if save is not None and s and s % every == 0]
-    normal = [t for s, t in enumerate(times) if s not in ckpt and s - 1 not in ckpt]
-    out = {"step_s": sum(normal) / len(normal), "total_s": total, "peak_rss_gib": rss, "steps": times,
-           "wait_s": _max_all(waits) if waits else [], "call_s": _max_all(calls) if calls else []}
+    normal = [t for s, t in enumerate(times) if s not in ckpt and s - 1 not in ckpt and s - 2 not in ckpt]
+    waits, calls = (_max_all(w) if w else [] for w in (waits, calls))
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    state_gib = 3 * sum(p.numel() * p.element_size() for p in local) / 2**30  # weights and two moments
+    out = {"state_gib": state_gib, "step_s": sum(normal) / len(normal), "total_s": total,
+           "peak_rss_gib": rss, "steps": times, "wait_s": waits, "call_s": calls}
     if ckpt:
-        out["first_ckpt_step_s"] = times[ckpt[0]]
-        out["later_ckpt_step_s"] = sum(times[s] for s in ckpt[1:]) / max(1, len(ckpt) - 1)
-        out["after_ckpt_step_s"] = sum(times[s + 1] for s in ckpt if s + 1 < steps) / len(ckpt)
+        # the checkpoint step: the step that holds the save call, or (after) the call + the next step
+        cost = [calls[i] + times[s + 1] for i, s in enumerate(ckpt)] if after else [times[s] for s in ckpt]
+        out["first_ckpt_step_s"] = cost[0]
+        out["later_ckpt_step_s"] = sum(cost[1:]) / max(1, len(cost) - 1)
+        nxt = [s + 2 if after else s + 1 for s in ckpt]
+        out["after_ckpt_step_s"] = sum(times[s] for s in nxt if s < steps) / len(ckpt)
         # where a checkpoint step's time goes: forward+backward, then the optimizer step (which
         # waits for lazy copies still to make), each over the mean of normal steps
         fb, op = (_max_all([p[i] for p in phases]) for i in (0, 1))
+        hit = [s + 1 if after else s for s in ckpt]  # the step that runs beside the save's copies
         out["ckpt_phases_over_normal"] = [
-            (round(fb[s] / (sum(fb[n] for n in range(steps) if n not in ckpt) / (steps - len(ckpt))), 2),
-             round(op[s] / (sum(op[n] for n in range(steps) if n not in ckpt) / (steps - len(ckpt))), 2))
-            for s in ckpt]
+            (round(fb[s] / (sum(fb[n] for n in range(steps) if n not in hit) / (steps - len(hit))), 2),
+             round(op[s] / (sum(op[n] for n in range(steps) if n not in hit) / (steps - len(hit))), 2))
+            for s in hit if s < steps]
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--loops", default=",".join(LOOPS), help="comma-separated loop shapes")
     ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=3072)
-    ap.add_argument("--layers", type=int, default=9)
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=3072, help="fsdp2-mlp: layer width")
+    ap.add_argument("--layers", type=int, default=9, help="fsdp2-mlp: layers")
+    ap.add_argument("--batch", type=int, default=32, help="fsdp2-mlp: batch")
+    ap.add_argument("--d-model", type=int, default=1024, help="ddp-transformer: model width")
+    ap.add_argument("--tf-layers", type=int, default=4, help="ddp-transformer: encoder layers")
+    ap.add_argument("--tf-batch", type=int, default=4, help="ddp-transformer: sequences per rank")
+    ap.add_argument("--seq", type=int, default=64, help="ddp-transformer: sequence length")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=2)
@@ -200,21 +246,29 @@ def main() -> int:
     args = ap.parse_args()
     root = args.dir or tempfile.mkdtemp(prefix="bcp_train_loop_")
     os.makedirs(root, exist_ok=True)
-    runs: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
+    table: dict = {"config": vars(args) | {"torch": torch.__version__, "cpus": os.cpu_count()}}
     try:
-        for _ in range(args.repeat):
-            for system in [s for s in SYSTEMS if s == "none" or s in args.systems.split(",")]:
-                os.sync()
-                runs[system].append(run_ranks(_job, args.ranks, system, root, args.hidden, args.layers, args.batch,
-                                              args.steps, args.every, name=system))
-                shutil.rmtree(os.path.join(root, system), ignore_errors=True)
+        for loop in args.loops.split(","):
+            table[loop] = _run_loop(loop, args, root)
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
+    print(json.dumps(table, indent=2))
+    return 0
+
+
+def _run_loop(loop: str, args, root: str) -> dict:
+    """Every system on one loop shape, alternated `--repeat` times; the best run of each, as ratios."""
+    if loop not in LOOPS:
+        raise SystemExit(f"unknown loop {loop!r}: choose from {', '.join(LOOPS)}")
+    runs: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
+    for _ in range(args.repeat):
+        for system in [s for s in SYSTEMS if s == "none" or s in args.systems.split(",")]:
+            os.sync()
+            runs[system].append(run_ranks(_job, args.ranks, loop, system, root, vars(args), name=f"{loop}/{system}"))
+            shutil.rmtree(os.path.join(root, system), ignore_errors=True)
     best = {s: min(r, key=lambda x: x["total_s"]) for s, r in runs.items() if r}
-    state_gib = 3 * 4 * args.layers * (args.hidden ** 2 + args.hidden) / 2**30 / args.ranks
-    table: dict = {"config": vars(args) | {"state_per_rank_gib": round(state_gib, 3), "torch": torch.__version__,
-                                           "cpus": os.cpu_count()}}
+    table: dict = {"state_per_rank_gib": round(best["none"]["state_gib"], 3)}
     for s, r in best.items():
         row = {"normal_step_s": round(r["step_s"], 4), "peak_rss_gib": round(r["peak_rss_gib"], 3),
                "throughput_vs_none": round(best["none"]["total_s"] / r["total_s"], 3)}
@@ -236,8 +290,7 @@ def main() -> int:
         table["ratios"] = {
             f"{k}_bcp_lazy_over_dcp": round(table["bcp_lazy"][k] / table["dcp"][k], 3)
             for k in ("first_ckpt_step_s", "later_ckpt_step_s", "peak_rss_gib")}
-    print(json.dumps(table, indent=2))
-    return 0
+    return table
 
 
 if __name__ == "__main__":
