@@ -512,6 +512,10 @@ class Checkpointer:
                 except Exception as e:  # noqa: BLE001 - reported with the request
                     job.error = _rank_error(comm.rank, e)
             job.agreed = self._agree(comm, job, op)
+            if job.lazy is not None and job.staged is not None and job.cached is None:
+                # a first save staged every box this rank holds; the others' copies are not needed
+                mine = {tuple(tb) for tb in job.agreed.assignment.boxes}
+                job.lazy.skip([buf for box, buf in job.staged.items() if box not in mine])
         except BaseException:
             self._release(job)
             raise

@@ -47,24 +47,51 @@ class StagingPool:
         self._key: tuple | None = None
         self._slots: list[list[torch.Tensor] | None] = [None, None]
         self._busy = [False, False]
+        # the slots of the previous key, while its boxes may serve the current one (see `_adopt`)
+        self._old: tuple[tuple, list, list] | None = None
         self._lock = threading.Lock()
 
     def acquire(self, key: tuple, sources: list[torch.Tensor]) -> tuple[int, list[torch.Tensor]] | None:
         with self._lock:
-            if key != self._key:  # the layout changed: drop buffers of the old plan (none is busy then)
+            if key != self._key:  # the layout changed: a new pair of slots
+                if self._key is not None and key[0] == self._key[0]:
+                    self._old = (self._key, self._slots, self._busy)
+                else:
+                    self._old = None
                 self._key, self._slots, self._busy = key, [None, None], [False, False]
             for i in (0, 1):
                 if not self._busy[i]:
                     if self._slots[i] is None:
-                        self._slots[i] = [host_buffer(s) for s in sources]
+                        self._slots[i] = self._adopt(key) or [host_buffer(s) for s in sources]
                     self._busy[i] = True
                     return i, self._slots[i]
             return None
+
+    def _adopt(self, key: tuple) -> list[torch.Tensor] | None:
+        """Buffers of a free slot of the previous key with the same structure that has every box of
+        `key`: the first save of a structure stages every box a rank holds, later ones the boxes
+        the plan gave it, so their buffers are already faulted in. The caller holds the lock."""
+        if self._old is None:
+            return None
+        old_key, slots, busy = self._old
+        adopted = None
+        for i in (0, 1):
+            if slots[i] is not None and not busy[i]:
+                by_box = dict(zip(old_key[1], slots[i]))
+                slots[i] = None  # each buffer serves one slot; the boxes not taken are freed
+                if all(box in by_box for box in key[1]):
+                    adopted = [by_box[box] for box in key[1]]
+                    break
+        if not any(busy):  # no slot of the old key left to come back
+            self._old = None
+        return adopted
 
     def release(self, key: tuple, slot: int) -> None:
         with self._lock:
             if key == self._key:
                 self._busy[slot] = False
+            elif self._old is not None and key == self._old[0]:
+                self._old[2][slot] = False
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for slot in self._slots if slot for b in slot)
@@ -262,6 +289,15 @@ class LazyCopy:
         if self._stream is not None:
             self._stream.synchronize()
         yield buf
+
+    def skip(self, buffers: list[torch.Tensor]) -> None:
+        """The writer will not ask for these buffers (the plan gave their boxes to other ranks):
+        the ones not taken yet need no copy, not even before the next optimizer step."""
+        with self._cond:
+            for buf in buffers:
+                i = self._index.get(id(buf))
+                if i is not None and self._state[i] == PENDING:
+                    self._settle(i, DONE)
 
     def retire(self) -> None:
         """The writer is done: pairs it never asked for (boxes another rank writes) need no copy."""
