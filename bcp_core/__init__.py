@@ -11,11 +11,12 @@
 The map of the package is docs/architecture.md.
 """
 
-from . import rng
+from . import mapping, rng
 from .api import inspect, load, mutating, prepare_save, resolve, save
 from .checkpointer import SaveHandle
 from .errors import (BCPError, ChecksumError, CommitCallbackError, CommTimeoutError, FormatVersionError,
-                     IncompleteCheckpointError, KeyMismatchError, MetadataError, MissingExtraError, NotACheckpointError,
+                     IncompleteCheckpointError, KeyMismatchError, MappingError, MetadataError, MissingExtraError,
+                     NotACheckpointError,
                      PickleNotAllowedError, PlanError, PreviousSaveError, SaveError, ShapeMismatchError, StorageError,
                      UnsafePathError, UnsupportedValueError)
 from .loader import LoadResult
@@ -26,11 +27,13 @@ from .storage import LocalStorage, Storage, register_storage, storage_for
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "prepare_save", "load", "inspect", "resolve", "mutating", "rng", "handle_preemption", "Preemption",
+    "save", "prepare_save", "load", "inspect", "resolve", "mutating", "rng", "mapping", "handle_preemption",
+    "Preemption",
     "SaveHandle", "LoadResult", "CheckpointMetadata", "TensorMeta", "Piece", "FORMAT_VERSION",
     "Storage", "LocalStorage", "register_storage", "storage_for",
     "BCPError", "ChecksumError", "CommitCallbackError", "CommTimeoutError", "FormatVersionError",
-    "IncompleteCheckpointError", "KeyMismatchError", "MetadataError", "MissingExtraError", "NotACheckpointError",
+    "IncompleteCheckpointError", "KeyMismatchError", "MappingError", "MetadataError", "MissingExtraError",
+    "NotACheckpointError",
     "PickleNotAllowedError", "PlanError", "PreviousSaveError", "SaveError", "ShapeMismatchError", "StorageError",
     "UnsafePathError", "UnsupportedValueError",
 ]

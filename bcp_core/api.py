@@ -95,7 +95,7 @@ def mutating():
 def load(path: str | os.PathLike, state: dict, framework: str = "auto", strict: bool = True, *,
          process_group=None, allow_pickle: bool = False, verify_checksums: bool = True,
          num_threads: int | None = None, share_reads: bool | None = None,
-         timeout: timedelta = DEFAULT_TIMEOUT) -> LoadResult:
+         timeout: timedelta = DEFAULT_TIMEOUT, mapping=None) -> LoadResult:
     """Load the checkpoint at `path` (or the latest under a root) into `state`, in place.
 
     Works at any world size and sharding: each rank reads the parts of the saved pieces that
@@ -115,10 +115,16 @@ def load(path: str | os.PathLike, state: dict, framework: str = "auto", strict: 
     may load plain tensors on its own. A collective load reads the metadata once per node and fails
     on every rank, naming the rank, if any rank fails. `num_threads`: files read at once (default
     4). Every wait (exchanges, transfers) is bounded by `timeout`.
+
+    `mapping`: load a checkpoint of another model family or framework (a `bcp_core.mapping.Mapping`,
+    e.g. `bcp.mapping.megatron_to_hf(hf_model.config)`), or "auto" to pick the declared mapping from
+    the framework the checkpoint records and the target's model config (none if they agree). Each
+    target tensor is assembled from boxes of the source's tensors, read as any resharded load is;
+    optimizer state and the step counter follow their parameters (docs/mapping.md).
     """
     return load_checkpoint(path, state, framework, strict, process_group=process_group, allow_pickle=allow_pickle,
                            verify_checksums=verify_checksums, num_threads=num_threads or 4, share_reads=share_reads,
-                           timeout=timeout)
+                           timeout=timeout, mapping=mapping)
 
 
 def resolve(path: str | os.PathLike) -> Storage:

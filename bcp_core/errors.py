@@ -37,6 +37,11 @@ class ShapeMismatchError(BCPError):
     """A tensor's global shape or dtype differs between checkpoint and target."""
 
 
+class MappingError(BCPError):
+    """A declared mapping between two models does not fit the checkpoint or the target: a source
+    missing or of another shape than declared, a target of another shape (names key and shapes)."""
+
+
 class UnsupportedValueError(BCPError):
     """A value in the state cannot be saved with the safe codec."""
 

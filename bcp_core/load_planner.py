@@ -59,10 +59,14 @@ class LoadPlan:
 
 def plan_load(md: CheckpointMetadata, lt: LoadTargets, rank: int, allow_pickle: bool,
               shard_reader: Callable[[str], Any],
-              check_files: Callable[[str, TensorMeta], None] = lambda fqn, tm: None) -> LoadPlan:
+              check_files: Callable[[str, TensorMeta], None] = lambda fqn, tm: None,
+              reads: Callable[[str, TensorMeta, Any, bool], list[ReadItem]] | None = None) -> LoadPlan:
     """The plan that fills `lt` from the checkpoint `md` on `rank`. `shard_reader(fqn)` opens a
     sharded object's shards for reading. `check_files(fqn, tm)` raises unless the data files hold
-    the bytes of `tm`'s pieces: called before a tensor is allocated from the metadata's shape."""
+    the bytes of `tm`'s pieces: called before a tensor is allocated from the metadata's shape.
+    `reads(fqn, tm, target, fresh)` gives the reads that fill a target tensor (default `read_items`;
+    a mapped load's come from other keys' pieces, bcp_core.mapping)."""
+    reads = reads or read_items
     plan = LoadPlan()
     saved = md.keys()
     for t in fill_containers(lt, saved):  # keys the checkpoint has below a plain dict the dict lacks
@@ -86,27 +90,27 @@ def plan_load(md: CheckpointMetadata, lt: LoadTargets, rank: int, allow_pickle: 
                 plan.items.extend(box_read_items(fqn, v, Box((0,) * len(v.shape), v.shape, target.tensor),
                                                  target.fresh))
             else:
-                plan.items.extend(_new_tensor(plan, target, v, check_files))
+                plan.items.extend(_new_tensor(plan, target, v, check_files, read_items))
         else:
             tm = md.tensors[fqn]
             if target.tensor is None:
                 if target.set_value is None:
                     raise ShapeMismatchError(f"{fqn!r} is a tensor in the checkpoint but not in the target")
-                plan.items.extend(_new_tensor(plan, target, tm, check_files))
+                plan.items.extend(_new_tensor(plan, target, tm, check_files, reads))
             else:
-                plan.items.extend(read_items(fqn, tm, target.tensor, target.fresh))
+                plan.items.extend(reads(fqn, tm, target.tensor, target.fresh))
     return plan
 
 
 def _new_tensor(plan: LoadPlan, target: LoadTarget, tm: TensorMeta,
-                check_files: Callable[[str, TensorMeta], None]) -> list[ReadItem]:
+                check_files: Callable[[str, TensorMeta], None], reads) -> list[ReadItem]:
     """Read `tm` whole into a new tensor that goes to the target once the load succeeded."""
     if target.set_value is None:
         raise BCPError(f"cannot set {target.fqn!r}: it takes no new tensor of shape {tuple(tm.shape)}")
     check_files(target.fqn, tm)  # the shape is a claim of the metadata until the files back it
     t = torch.empty(tm.shape, dtype=tm.dtype)
     plan.late.append((target, t))
-    return box_read_items(target.fqn, tm, Box((0,) * len(tm.shape), tm.shape, t), fresh=True)
+    return reads(target.fqn, tm, t, True)
 
 
 def set_target(target: LoadTarget, value: Any) -> None:

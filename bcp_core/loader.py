@@ -74,7 +74,7 @@ class ResolvedCheckpoint:
 def load_checkpoint(path: str | os.PathLike, state: dict, framework: str = "auto", strict: bool = True, *,
                     process_group=None, allow_pickle: bool = False, verify_checksums: bool = True,
                     num_threads: int = 4, share_reads: bool | None = None,
-                    timeout: timedelta = DEFAULT_TIMEOUT) -> LoadResult:
+                    timeout: timedelta = DEFAULT_TIMEOUT, mapping: Any = None) -> LoadResult:
     """`bcp_core.load` (see there)."""
     adapter = resolve_framework(state, framework)
     shared = group_size(process_group) > 1 and (
@@ -84,7 +84,7 @@ def load_checkpoint(path: str | os.PathLike, state: dict, framework: str = "auto
         md = read_metadata(st)
         staging = LoadStaging(st, md.files, md.checksum_block_bytes, verify_checksums)
         plan, targets, values, result = _prepare(st, md, state, adapter, strict, process_group, allow_pickle,
-                                                 verify_checksums)
+                                                 verify_checksums, mapping)
         staging.stage_all(plan.items, num_threads)
         _check(targets)
     else:
@@ -98,7 +98,7 @@ def load_checkpoint(path: str | os.PathLike, state: dict, framework: str = "auto
                                                         op, timeout))
             staging = LoadStaging(st, md.files, md.checksum_block_bytes, verify_checksums)
             plan, targets, values, result = _prepare(st, md, state, adapter, strict, process_group, allow_pickle,
-                                                     verify_checksums)
+                                                     verify_checksums, mapping)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others wait
             failure, plan, targets = e, LoadPlan(), LoadTargets()
         read_all_shared(staging, plan.items, num_threads, process_group, comm, op, timeout, failure,
@@ -110,11 +110,26 @@ def load_checkpoint(path: str | os.PathLike, state: dict, framework: str = "auto
 
 
 def _prepare(st: Storage, md: CheckpointMetadata, state: dict, adapter, strict: bool, process_group,
-             allow_pickle: bool, verify_checksums: bool) -> tuple[LoadPlan, LoadTargets, list, LoadResult]:
-    """Everything decided and checked before a byte of a tensor is read; nothing of the state changes."""
+             allow_pickle: bool, verify_checksums: bool,
+             mapping: Any = None) -> tuple[LoadPlan, LoadTargets, list, LoadResult]:
+    """Everything decided and checked before a byte of a tensor is read; nothing of the state changes.
+    With a mapping, the targets see the checkpoint through it (target keys, assembled from the
+    source's pieces: bcp_core.mapping)."""
+    check_files = _file_checker(st, md)
+    saved, reads, mapped = md, None, None
+    if mapping is not None:
+        from .mapping import resolve_mapping
+        mapping = resolve_mapping(mapping, md, state, adapter)
+    if mapping is not None:
+        mapped = mapping.bind(md, st, check_files)
+        md, reads = mapped.metadata, mapped.read_items
     targets = load_targets(state, md, adapter)
+    if mapped is not None:
+        for key in mapped.optional & set(targets.targets):
+            targets.targets[key].optional = True
+        targets.finishers.insert(0, mapped.fill_zeros)  # before optimizers take their new state
     plan = plan_load(md, targets, this_rank(process_group), allow_pickle,
-                     lambda fqn: ShardReader(st, md, fqn, allow_pickle, verify_checksums), _file_checker(st, md))
+                     lambda fqn: ShardReader(st, saved, fqn, allow_pickle, verify_checksums), check_files, reads)
     result = LoadResult(st.root, plan.missing, plan.unexpected)
     if strict and (result.missing or result.unexpected):
         raise KeyMismatchError(_key_report(st.root, result))
