@@ -1,0 +1,88 @@
+"""Megatron-core's DDP, DistributedOptimizer and GPT forward on CPU (gloo), for tests only.
+
+Megatron hard-codes CUDA in a few places even for CPU tensors: `device="cuda"` /
+`torch.cuda.current_device()` for its buffers, `Tensor.cuda()`, `Tensor.type()` compared with
+"torch.cuda.FloatTensor", CUDA streams, and the CUDA RNG tracker around attention dropout.
+`cuda_on_cpu()` redirects exactly those, and puts everything back on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+_FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "randn", "rand", "empty_like", "zeros_like",
+              "ones_like", "full_like")
+
+
+def _cpu(device):
+    if isinstance(device, int) or (device is not None and str(device).startswith("cuda")):
+        return torch.device("cpu")
+    return device
+
+
+class _Stream:
+    """What Megatron's DDP does with a CUDA stream: nothing to wait for on CPU."""
+
+    def __init__(self, *a, **k):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+@contextlib.contextmanager
+def cuda_on_cpu():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    saved = []
+
+    def patch(obj, name, new):
+        saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, new)
+
+    def factory(fn):
+        @functools.wraps(fn)
+        def call(*a, **k):
+            if "device" in k:
+                k["device"] = _cpu(k["device"])
+            return fn(*a, **k)
+        return call
+
+    for name in _FACTORIES:
+        patch(torch, name, factory(getattr(torch, name)))
+    to = torch.Tensor.to
+
+    def tensor_to(self, *a, **k):
+        a = tuple(_cpu(x) if isinstance(x, (str, torch.device, int)) and not isinstance(x, bool) else x for x in a)
+        if "device" in k:
+            k["device"] = _cpu(k["device"])
+        return to(self, *a, **k)
+
+    tensor_type = torch.Tensor.type
+
+    def type_(self, dtype=None, *a, **k):
+        if dtype is None:  # Megatron checks parameters against the CUDA type names
+            return tensor_type(self).replace("torch.", "torch.cuda.", 1)
+        return tensor_type(self, dtype, *a, **k)
+
+    patch(torch.Tensor, "to", tensor_to)
+    patch(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    patch(torch.Tensor, "type", type_)
+    patch(torch.cuda, "current_device", lambda: "cpu")
+    patch(torch.cuda, "synchronize", lambda *a, **k: None)
+    patch(torch.cuda, "Stream", _Stream)
+    patch(torch.cuda, "default_stream", lambda *a, **k: _Stream())
+    patch(torch.cuda, "current_stream", lambda *a, **k: _Stream())
+    patch(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext())
+    patch(mrandom.CudaRNGStatesTracker, "fork", lambda self, name=None: contextlib.nullcontext())
+    try:
+        yield
+    finally:
+        for obj, name, old in reversed(saved):
+            setattr(obj, name, old)

@@ -1,0 +1,259 @@
+"""A real Megatron-core GPTModel checkpoint loads into a Hugging Face LlamaForCausalLM, and back.
+
+One 2-rank job (gloo, Megatron's DDP and DistributedOptimizer under tests/megatron_cpu.py) builds a
+tiny Llama-like GPTModel (local spec, RMSNorm, SwiGLU, GQA with 2 query groups for 4 heads, RoPE,
+no biases, vocabulary 100 padded to 128 * TP), trains it 2 steps at TP=2 (tied and untied
+embeddings) and at PP=2, saves it through `("bcp", 1)` with the optimizer state in Megatron's
+`fully_reshardable` layout, and on every rank loads it into a LlamaForCausalLM on its own (one
+process) with `megatron_to_hf`. Each rank reports, per case, how far the Hugging Face logits are
+from Megatron's and whether the AdamW moments equal the Megatron optimizer's own state for the
+part of each parameter this rank holds; the tests assert on those reports.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("megatron.core")
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from dist import run_ranks  # noqa: E402
+
+VOCAB, HIDDEN, HEADS, GROUPS, FFN, LAYERS, SEQ = 100, 32, 4, 2, 48, 2, 8
+CASES = {"tp2_untied": (2, 1, False), "tp2_tied": (2, 1, True), "pp2_untied": (1, 2, False)}
+
+
+def hf_config(tied: bool):
+    return transformers.LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=GROUPS,
+                                    num_hidden_layers=LAYERS, intermediate_size=FFN, vocab_size=VOCAB,
+                                    rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=32,
+                                    tie_word_embeddings=tied, attention_bias=False)
+
+
+def tokens(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (2, SEQ), generator=g)
+
+
+# ----------------------------------------------------------------------------- rank side
+
+def _gpt(tp: int, pp: int, tied: bool):
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 create_gloo_process_groups=True)
+    torch.manual_seed(1234 + ps.get_pipeline_model_parallel_rank())
+    cfg = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                            num_query_groups=GROUPS, ffn_hidden_size=FFN, tensor_model_parallel_size=tp,
+                            pipeline_model_parallel_size=pp, use_cpu_initialization=True,
+                            params_dtype=torch.float32, pipeline_dtype=torch.float32, normalization="RMSNorm",
+                            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                            bias_activation_fusion=False, layernorm_epsilon=1e-5, hidden_dropout=0.0,
+                            attention_dropout=0.0)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=128 * tp,
+                     max_sequence_length=32, position_embedding_type="rope", rotary_base=10000,
+                     share_embeddings_and_output_weights=tied, pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage())
+    with torch.no_grad():  # norms away from 1, so that a misplaced norm weight shows in the logits
+        for name, p in model.named_parameters():
+            if "layernorm" in name:
+                p.uniform_(0.5, 1.5)
+    return cfg, model
+
+
+def _distributed(cfg, model):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                                                     grad_reduce_in_fp32=True), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01,
+                                                 use_distributed_optimizer=True, params_dtype=torch.float32), [ddp])
+    return ddp, opt
+
+
+def _run(ddp, batch: torch.Tensor, forward_only: bool):
+    """One pipeline pass (Megatron's schedule); returns the last stage's full-vocabulary logits."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    out = {}
+    pos = torch.arange(SEQ)[None].expand(batch.shape[0], SEQ)
+
+    def step(_, model):
+        if forward_only:
+            logits = model(batch, pos, None)
+
+            def keep(o):
+                out["logits"] = gather_from_tensor_model_parallel_region(o).detach()
+                return o.sum() * 0, {}
+            return logits, keep
+        loss = model(batch, pos, None, labels=batch)
+        return loss, lambda o: (o.float().mean(), {})
+
+    get_forward_backward_func()(forward_step_func=step, data_iterator=iter([None]), model=[ddp], num_microbatches=1,
+                                seq_length=SEQ, micro_batch_size=batch.shape[0], forward_only=forward_only)
+    return out.get("logits") if ps.is_pipeline_last_stage() else None
+
+
+def _megatron_moments(model, opt) -> dict:
+    """{(key, global offsets, lengths): {state: tensor}} of this rank's parameters, from the
+    DistributedOptimizer's own state (DP=1: each TP-local parameter whole), placed as Megatron's
+    sharded state dict places them (factories built: SwiGLU's fc1 is two boxes)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    from bcp_integrations.megatron.adapter import iter_leaves
+    distopt = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
+    by_param = {}
+    for _, sh in iter_leaves(model.sharded_state_dict()):
+        if isinstance(sh, (ShardedTensor, ShardedTensorFactory)):
+            by_param[id(sh.data)] = sh
+    out = {}
+    for p in model.parameters():
+        sh = by_param[id(p)]
+        states = distopt._get_main_param_and_optimizer_states(p)
+        local = {k: v.detach().view(p.shape).clone() for k, v in states.items() if k in ("exp_avg", "exp_avg_sq")}
+        parts = [sh] if isinstance(sh, ShardedTensor) else None
+        if parts is None:  # the factory describes parts of the local tensor: build it over the states
+            built = {k: sh.build_fn(sh.key, v, sh.replica_id, None) for k, v in local.items()}
+            for i in range(len(built["exp_avg"])):
+                b = built["exp_avg"][i]
+                out[(b.key, tuple(b.global_offset), (1,) * b.prepend_axis_num + tuple(b.local_shape))] = {
+                    k: built[k][i].data.clone() for k in built}
+            continue
+        out[(sh.key, tuple(sh.global_offset), (1,) * sh.prepend_axis_num + tuple(sh.local_shape))] = local
+    return out, distopt
+
+
+def _megatron_to_hf(rank, world_size, root):
+    import warnings
+    warnings.filterwarnings("ignore")
+    from megatron.core import dist_checkpointing as dcp
+
+    import bcp_core as bcp
+    import bcp_integrations.megatron  # noqa: F401 - registers ("bcp", 1)
+    from megatron_cpu import cuda_on_cpu
+    from test_mapping import megatron_layout
+
+    results = {}
+    for case, (tp, pp, tied) in CASES.items():
+        with cuda_on_cpu():
+            cfg, model = _gpt(tp, pp, tied)
+            ddp, opt = _distributed(cfg, model)
+            for i in range(2):
+                ddp.zero_grad_buffer()
+                opt.zero_grad()
+                _run(ddp, tokens(10 + i), forward_only=False)
+                opt.step()
+            logits = _run(ddp, tokens(99), forward_only=True)
+            model_sd = model.sharded_state_dict()
+            opt_sd = opt.sharded_state_dict(model_sd, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+            path = os.path.join(root, case)
+            os.makedirs(path, exist_ok=True)
+            torch.distributed.barrier()
+            dcp.save({"model": model_sd, "optimizer": opt_sd}, path, sharded_strategy=("bcp", 1))
+            moments, distopt = _megatron_moments(model, opt)
+        # every rank, on its own: a Hugging Face model and a fresh AdamW from the checkpoint
+        torch.manual_seed(5)
+        hf = transformers.LlamaForCausalLM(hf_config(tied)).eval()
+        hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-2, weight_decay=0.01)
+        bcp.load(path, {"model": hf, "optimizer": hf_opt}, mapping=bcp.mapping.megatron_to_hf(hf.config))
+        with torch.no_grad():
+            hf_logits = hf(input_ids=tokens(99)).logits
+        r = {"framework": bcp.inspect(path).framework, "logits_diff": None, "megatron_logit_scale": None}
+        if logits is not None:
+            want = logits[..., :VOCAB].transpose(0, 1) if logits.shape[0] == SEQ else logits[..., :VOCAB]
+            r["logits_diff"] = float((hf_logits - want).abs().max())
+            r["megatron_logit_scale"] = float(want.abs().max())
+        names = {id(p): n for n, p in hf.named_parameters()}
+        hf_moments = {k: {names[id(p)]: s[k] for p, s in hf_opt.state.items()} for k in ("exp_avg", "exp_avg_sq")}
+        padded = 128 * tp
+        laid = {k: megatron_layout(v, hf.config, padded) for k, v in hf_moments.items()}
+        bad, checked = [], 0
+        for (key, off, ln), states in moments.items():
+            for name, t in states.items():
+                if key not in laid[name]:
+                    bad.append(f"{key} has no counterpart")
+                    continue
+                box = tuple(slice(o, o + n) for o, n in zip(off, ln))
+                want = laid[name][key][box].reshape(t.shape)
+                if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                    rows = max(0, min(t.shape[0], VOCAB - off[0]))  # padding rows have no HF counterpart
+                    t, want = t[:rows], want[:rows]
+                checked += t.numel()
+                if not torch.equal(t, want):
+                    bad.append(f"{name} of {key} at {off}: max diff {float((t - want).abs().max())}")
+        r.update(bad=bad, checked=checked, steps=sorted({float(s["step"]) for s in hf_opt.state.values()}),
+                 hf_states=len(hf_opt.state), hf_params=len(list(hf.parameters())),
+                 megatron_step=sorted({float(s["step"]) for s in distopt.optimizer.state.values()}))
+        trained = hf_opt.state[hf.model.embed_tokens.weight]["exp_avg"].clone()
+        hf(input_ids=tokens(7), labels=tokens(7)).loss.backward()  # one more AdamW step runs
+        hf_opt.step()
+        r["continued"] = float(next(iter(hf_opt.state.values()))["step"]) == 3.0 and not torch.equal(
+            trained, hf_opt.state[hf.model.embed_tokens.weight]["exp_avg"])
+        results[case] = r
+    return results
+
+
+@pytest.fixture(scope="module")
+def megatron_to_hf_run(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("m2hf"))
+    results = run_ranks(2, _megatron_to_hf, root, timeout=400)
+    results[0]["root"] = root
+    return results
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_megatron_core_saves_the_layout_the_mapping_declares(megatron_to_hf_run, case):
+    """The facts of docs/mapping.md, as megatron-core 0.16.1 writes them."""
+    import bcp_core as bcp
+    tp, pp, tied = CASES[case]
+    path = os.path.join(megatron_to_hf_run[0]["root"], case)
+    shapes = {k: tuple(tm.shape) for k, tm in bcp.inspect(path).tensors.items()}
+    d = HIDDEN // HEADS
+    want = {"embedding.word_embeddings.weight": (128 * tp, HIDDEN),  # padded to a multiple of 128 * TP
+            "decoder.layers.self_attention.linear_qkv.weight": (LAYERS, (HEADS + 2 * GROUPS) * d, HIDDEN),
+            "decoder.layers.self_attention.linear_qkv.layer_norm_weight": (LAYERS, HIDDEN),  # local spec too
+            "decoder.layers.self_attention.linear_proj.weight": (LAYERS, HIDDEN, HEADS * d),
+            "decoder.layers.mlp.linear_fc1.layer_norm_weight": (LAYERS, HIDDEN),
+            "decoder.layers.mlp.linear_fc1.weight": (LAYERS, 2 * FFN, HIDDEN),  # [gate; up], whole
+            "decoder.layers.mlp.linear_fc2.weight": (LAYERS, HIDDEN, FFN),
+            "decoder.final_layernorm.weight": (HIDDEN,)}
+    if not tied:
+        want["output_layer.weight"] = (128 * tp, HIDDEN)
+    model_keys = {k: v for k, v in shapes.items() if not k.startswith("optimizer.")}
+    assert model_keys == want
+    # DistributedOptimizer, fully_reshardable: every state in each parameter's global shape
+    assert {k: v for k, v in shapes.items() if k.startswith("optimizer.")} == {
+        f"optimizer.state.{s}.{k}": v for k, v in want.items() for s in ("param", "exp_avg", "exp_avg_sq")}
+    common = torch.load(os.path.join(path, "common.pt"), weights_only=True)  # the step: in the common state
+    assert {g["step"] for g in common["optimizer"]["optimizer"]["param_groups"]} == {2}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hf_logits_match_megatron(megatron_to_hf_run, case):
+    diffs = [r[case]["logits_diff"] for r in megatron_to_hf_run if r[case]["logits_diff"] is not None]
+    assert diffs, "no rank held Megatron's logits"
+    assert all(r[case]["megatron_logit_scale"] > 0.1 for r in megatron_to_hf_run if r[case]["megatron_logit_scale"])
+    assert max(diffs) <= 1e-5, diffs
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_adam_moments_equal_megatrons_and_step_carries(megatron_to_hf_run, case):
+    for r in megatron_to_hf_run:
+        c = r[case]
+        assert c["framework"] == "megatron"
+        assert not c["bad"], c["bad"][:5]
+        assert c["checked"] > 1000
+        assert c["megatron_step"] == [2.0] and c["steps"] == [2.0]
+        assert c["hf_states"] == c["hf_params"]  # every parameter got its state (tied: one tensor, one state)
+        assert c["continued"]
