@@ -196,12 +196,61 @@ def _megatron_to_hf(rank, world_size, root):
                  hf_states=len(hf_opt.state), hf_params=len(list(hf.parameters())),
                  megatron_step=sorted({float(s["step"]) for s in distopt.optimizer.state.values()}))
         trained = hf_opt.state[hf.model.embed_tokens.weight]["exp_avg"].clone()
+        ref = {"logits": hf_logits, "moments": {n: {k: hf_opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")}
+                                                for n, p in hf.named_parameters()}}
         hf(input_ids=tokens(7), labels=tokens(7)).loss.backward()  # one more AdamW step runs
         hf_opt.step()
         r["continued"] = float(next(iter(hf_opt.state.values()))["step"]) == 3.0 and not torch.equal(
             trained, hf_opt.state[hf.model.embed_tokens.weight]["exp_avg"])
+        ref["after_step"] = {n: p.detach().clone() for n, p in hf.named_parameters()}
         results[case] = r
+        if case == "tp2_untied":
+            refs = (path, ref)
+    from megatron.core import parallel_state as ps
+    ps.destroy_model_parallel()
+    for wrap in ("ddp", "fsdp2"):
+        results[wrap] = _sharded_hf_target(wrap, *refs)
     return results
+
+
+def _sharded_hf_target(wrap: str, path: str, ref: dict) -> dict:
+    """The TP=2 checkpoint into a Hugging Face model under DDP or FSDP2 on both ranks, with a fresh
+    AdamW: compared with the same load on one process (`ref`), then one more step on both."""
+    import bcp_core as bcp
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(5)
+    hf = transformers.LlamaForCausalLM(hf_config(False)).eval()
+    if wrap == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(hf)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (2,))
+        for layer in hf.model.layers:
+            fully_shard(layer, mesh=mesh)
+        model = fully_shard(hf, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    # share_reads=False: a collective load here hangs creating bcp's node group after Megatron's
+    # groups (issue 23 notes; to be fixed in bcp_core/loader.py _node_broadcast)
+    bcp.load(path, {"model": model, "optimizer": opt}, mapping=bcp.mapping.megatron_to_hf(hf.config),
+             share_reads=False)
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    params = dict(hf.named_parameters())  # the optimizer's (FSDP2: sharded) parameters, before a forward
+    bad = [n for n, p in params.items() for k in ("exp_avg", "exp_avg_sq")
+           if not torch.equal(full(opt.state[p][k]), ref["moments"][n][k])]
+    with torch.no_grad():
+        logits = model(input_ids=tokens(99)).logits
+    steps = sorted({float(s["step"]) for s in opt.state.values()})
+    model(input_ids=tokens(7), labels=tokens(7)).loss.backward()  # the same batch on both ranks
+    opt.step()
+    after = max(float((full(p.detach()) - ref["after_step"][n]).abs().max()) for n, p in params.items())
+    return {"logits_diff": float((full(logits) - ref["logits"]).abs().max()), "bad": bad, "steps": steps,
+            "states": len(opt.state), "after_step_diff": after,
+            "sharded": wrap == "ddp" or all(isinstance(p, DTensor) for p in params.values())}
 
 
 @pytest.fixture(scope="module")
@@ -257,3 +306,14 @@ def test_adam_moments_equal_megatrons_and_step_carries(megatron_to_hf_run, case)
         assert c["megatron_step"] == [2.0] and c["steps"] == [2.0]
         assert c["hf_states"] == c["hf_params"]  # every parameter got its state (tied: one tensor, one state)
         assert c["continued"]
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_megatron_checkpoint_loads_into_ddp_and_fsdp2(megatron_to_hf_run, wrap):
+    """The same load into a Hugging Face model under DDP / FSDP2 on 2 ranks equals the one-process
+    load: logits, moments (exactly), step; the next AdamW step lands where one process lands."""
+    for r in megatron_to_hf_run:
+        c = r[wrap]
+        assert c["sharded"] and c["logits_diff"] <= 1e-6 and not c["bad"], c
+        assert c["steps"] == [2.0] and c["states"] == 21
+        assert c["after_step_diff"] <= 1e-6, c
