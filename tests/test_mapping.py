@@ -207,6 +207,13 @@ def test_primitives_stack_unstack_rows_and_inverse(tmp_path):
     assert unstack("ab", ["a", "b"], (3, 4)) == [c.inverse() for c in stack(["a", "b"], "ab", (3, 4))]
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_inverse_of_the_inverse_is_the_mapping(tied):
+    m = bcp.mapping.megatron_to_hf({**CFG, "tie_word_embeddings": tied})
+    assert m.inverse() != m and m.inverse().inverse() == m
+    assert m.inverse().unread == m.weights_only
+
+
 def test_qkv_split_orders_rows_per_query_group():
     copies = qkv_split("qkv", "q", "k", "v", heads=4, groups=2, head_dim=1)
     # qkv rows: [q0 q1 k0 v0 | q2 q3 k1 v1]
