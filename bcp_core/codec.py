@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import json
 import math
 import pickle
 import re
@@ -25,8 +26,8 @@ import torch
 from .errors import MetadataError, PickleNotAllowedError, UnsupportedValueError
 from .metadata import MAX_VALUE_DEPTH, brief, dtype_from_name, dtype_name, element_size, parse_shape
 
-_TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", "__dtype__", "__device__",
-         "__tensor__", "__ndarray__", "__pickle__")
+_TAGS = ("__tuple__", "__set__", "__frozenset__", "__dict__", "__float__", "__bytes__", "__dtype__",
+         "__device__", "__tensor__", "__ndarray__", "__pickle__")
 _FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 # Inline tensors in values are for small things (a scalar, a seed); big ones belong in data files.
 MAX_INLINE_TENSOR_BYTES = 1 << 20
@@ -80,6 +81,12 @@ def _encode(value: Any, where: str, allow_pickle: bool, depth: int) -> Any:
     if isinstance(value, tuple) and type(value) is tuple:
         d = _nest(depth + 2, where)  # {"__tuple__": [...]}
         return {"__tuple__": [_encode(v, f"{where}[{i}]", allow_pickle, d) for i, v in enumerate(value)]}
+    if type(value) in (set, frozenset):
+        d = _nest(depth + 2, where)  # {"__set__": [...]}
+        items = [_encode(v, f"{where} element", allow_pickle, d) for v in value]
+        # a set has no order: sorted by the elements' JSON, so equal sets are saved alike on every rank
+        items.sort(key=lambda e: json.dumps(e, sort_keys=True))
+        return {"__set__" if type(value) is set else "__frozenset__": items}
     if isinstance(value, dict) and type(value) is dict:
         if all(isinstance(k, str) and not k.startswith("__") for k in value):
             d = _nest(depth + 1, where)
@@ -113,7 +120,7 @@ def _encode(value: Any, where: str, allow_pickle: bool, depth: int) -> Any:
         return {"__pickle__": _b64(pickle.dumps(value, protocol=4))}
     raise UnsupportedValueError(
         f"{where}: cannot save a value of type {type(value).__module__}.{type(value).__qualname__} with the "
-        "safe codec (JSON values, tuples, bytes, dtypes, tensors, numpy arrays). Convert it, or pass "
+        "safe codec (JSON values, tuples, sets, bytes, dtypes, tensors, numpy arrays). Convert it, or pass "
         "allow_pickle=True to bcp.save (loading it will then need allow_pickle=True too)")
 
 
@@ -146,6 +153,13 @@ def _decode_tag(tag: str, body: Any, where: str, allow_pickle: bool, depth: int)
     if tag == "__tuple__":
         _need_type(body, list, where, tag)
         return tuple(_decode(v, where, allow_pickle, depth + 1) for v in body)
+    if tag in ("__set__", "__frozenset__"):
+        _need_type(body, list, where, tag)
+        elements = [_decode(v, where, allow_pickle, depth + 1) for v in body]
+        try:
+            return set(elements) if tag == "__set__" else frozenset(elements)
+        except TypeError as e:
+            raise MetadataError(f"{where}: {tag} holds an element that cannot be in a set ({e})") from None
     if tag == "__dict__":
         _need_type(body, list, where, tag)
         out = {}
