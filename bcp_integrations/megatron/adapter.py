@@ -201,11 +201,14 @@ class LoadPlan:
     tensors: dict[Path, torch.Tensor] = field(default_factory=dict)
     objects: dict[Path, tuple[str, ObjectShard]] = field(default_factory=dict)
     values: dict[Path, str] = field(default_factory=dict)   # plain values, by their bcp key
+    casts: dict[Path, torch.Tensor] = field(default_factory=dict)  # read in the saved dtype, cast on result
 
     def result(self, sharded_state_dict: dict) -> dict:
         """The sharded state dict with each leaf replaced by what was loaded for it."""
         def fill(path, v):
             if isinstance(v, ShardedTensor):
+                if path in self.casts:
+                    self.tensors[path].copy_(self.casts[path])
                 return self.tensors[path]
             if isinstance(v, ShardedObject):
                 return _decode_object(self.objects[path][1].value)
@@ -217,12 +220,15 @@ class LoadPlan:
         return map_leaves(sharded_state_dict, fill)
 
 
-def load_state(sharded_state_dict: dict, saved_shapes: dict[str, tuple] | None = None) -> LoadPlan:
+def load_state(sharded_state_dict: dict, saved_shapes: dict[str, tuple] | None = None,
+               saved_dtypes: dict[str, torch.dtype] | None = None) -> LoadPlan:
     """The bcp state for loading a sharded state dict (factories built) in place.
 
     ShardedTensors with data are loaded into it in place (what torch_dist does too); those without
     get a new tensor. `saved_shapes` (key -> saved global shape) serves `allow_shape_mismatch`
-    tensors: only the part inside both shapes is read, the rest is zeroed.
+    tensors: only the part inside both shapes is read, the rest is zeroed. A tensor whose
+    `saved_dtypes` entry differs from its own dtype is read in the saved dtype and cast into
+    place by `LoadPlan.result` (torch_dist casts too: a bf16 model loads an fp32 checkpoint).
     """
     plan = LoadPlan({})
     boxes: dict[str, list[Box]] = {}
@@ -238,7 +244,11 @@ def load_state(sharded_state_dict: dict, saved_shapes: dict[str, tuple] | None =
             # detach: parameters require grad, and loading writes into their storage in place
             data = v.data.detach() if v.data is not None else torch.empty(v.local_shape, dtype=v.dtype)
             plan.tensors[path] = data
-            gshape = tuple(v.global_shape)
+            gshape, dtype = tuple(v.global_shape), v.dtype
+            saved_dtype = (saved_dtypes or {}).get(v.key, dtype)
+            if saved_dtype != dtype:
+                dtype = saved_dtype
+                data = plan.casts[path] = torch.empty(v.local_shape, dtype=dtype)
             box = box_of(v, data)
             if v.allow_shape_mismatch:
                 if saved_shapes is None or v.key not in saved_shapes:
@@ -247,7 +257,7 @@ def load_state(sharded_state_dict: dict, saved_shapes: dict[str, tuple] | None =
                 gshape, box = _clip(box, saved_shapes[v.key], data)
                 if box is None:
                     continue
-            _claim(shape_of, v.key, (gshape, v.dtype), path)
+            _claim(shape_of, v.key, (gshape, dtype), path)
             boxes.setdefault(v.key, []).append(box)
         elif isinstance(v, ShardedObject):
             _claim(shape_of, v.unique_key, ("object",), path)
@@ -333,7 +343,8 @@ def load(sharded_state_dict: dict, path: str, **kwargs) -> dict:
     """
     built, factories = build_factories(sharded_state_dict)
     md = bcp.inspect(str(path))
-    plan = load_state(built, {k: tm.shape for k, tm in md.tensors.items()})
+    plan = load_state(built, {k: tm.shape for k, tm in md.tensors.items()},
+                      {k: tm.dtype for k, tm in md.tensors.items()})
     bcp.load(str(path), plan.state, framework="megatron", **kwargs)
     return merge_factories(plan.result(built), factories)
 

@@ -12,10 +12,13 @@ finalize functions, for async saves), so a directory without it was never comple
 
 from __future__ import annotations
 
+import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint import CheckpointException as TorchCheckpointException
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
@@ -24,10 +27,39 @@ from megatron.core.dist_checkpointing.strategies.base import (AsyncSaveShardedSt
 
 import bcp_core as bcp
 from bcp_core.comm import DEFAULT_TIMEOUT
+from bcp_core.errors import BCPError
+from bcp_core.utils import this_rank
 
 from .adapter import load, save
 
 BACKEND, VERSION = "bcp", 1
+
+
+class BcpCheckpointingException(CheckpointingException, TorchCheckpointException):
+    """A bcp save or load failure, as Megatron's callers expect one from a dist_checkpointing backend.
+
+    It is Megatron's `CheckpointingException` and also `torch.distributed.checkpoint.CheckpointException`
+    (what the default torch_dist backend raises), so code that catches either keeps working with
+    ("bcp", 1). `__cause__` is bcp's own error (`KeyMismatchError`, `ShapeMismatchError`, `SaveError`...);
+    `failures` maps this rank to it, as torch's exception does.
+    """
+
+    def __init__(self, message: str, failures: dict):
+        TorchCheckpointException.__init__(self, message, failures)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def _translated(action: str, checkpoint_dir, fn: Callable, *args, **kwargs):
+    """fn(*args, **kwargs), a bcp error raised as BcpCheckpointingException naming `action` and the rank."""
+    try:
+        return fn(*args, **kwargs)
+    except BCPError as e:
+        rank = this_rank()
+        raise BcpCheckpointingException(f"bcp {action} of {checkpoint_dir} failed on rank {rank}: "
+                                        f"{type(e).__name__}: {e}",
+                                        {rank: (e, traceback.extract_tb(e.__traceback__))}) from e
 
 
 class BcpSaveShardedStrategy(AsyncSaveShardedStrategy):
@@ -54,7 +86,7 @@ class BcpSaveShardedStrategy(AsyncSaveShardedStrategy):
                     allow_pickle=self.allow_pickle, num_threads=self.num_threads, timeout=self.timeout)
 
     def save(self, sharded_state_dict, checkpoint_dir) -> None:
-        self._save(sharded_state_dict, checkpoint_dir, async_save=False).wait()
+        _translated("save", checkpoint_dir, lambda: self._save(sharded_state_dict, checkpoint_dir, False).wait())
 
     def async_save(self, sharded_state_dict, checkpoint_dir) -> AsyncRequest:
         """Stage now (the only training stall) and write in bcp's background thread.
@@ -64,8 +96,9 @@ class BcpSaveShardedStrategy(AsyncSaveShardedStrategy):
         finalize function — run by Megatron on every rank once the request is done — waits for
         the bcp commit before Megatron writes `metadata.json`.
         """
-        handle = self._save(sharded_state_dict, checkpoint_dir, async_save=True)
-        return AsyncRequest(async_fn=None, async_fn_args=(), finalize_fns=[handle.wait])
+        handle = _translated("save", checkpoint_dir, self._save, sharded_state_dict, checkpoint_dir, True)
+        return AsyncRequest(async_fn=None, async_fn_args=(),
+                            finalize_fns=[lambda: _translated("save", checkpoint_dir, handle.wait)])
 
 
 class BcpLoadShardedStrategy(LoadShardedStrategy):
@@ -91,24 +124,31 @@ class BcpLoadShardedStrategy(LoadShardedStrategy):
                                          f"bcp's ({VERSION}); upgrade bcp")
 
     def load(self, sharded_state_dict, checkpoint_dir):
-        return load(sharded_state_dict, checkpoint_dir, strict=True, allow_pickle=self.allow_pickle,
-                    verify_checksums=self.verify_checksums, num_threads=self.num_threads)
+        """Errors are `BcpCheckpointingException`s: a requested key the checkpoint lacks (what Megatron
+        calls an unexpected key, left to the backend under its default `StrictHandling.ASSUME_OK_UNEXPECTED`),
+        a shape that differs without `allow_shape_mismatch`, a damaged checkpoint."""
+        return _translated("load", checkpoint_dir, load, sharded_state_dict, checkpoint_dir, strict=True,
+                           allow_pickle=self.allow_pickle, verify_checksums=self.verify_checksums,
+                           num_threads=self.num_threads)
 
     def load_tensors_metadata(self, checkpoint_dir: str | Path):
         """key -> data-less ShardedTensor with the saved global shape and dtype (one shard)."""
-        md = bcp.inspect(str(checkpoint_dir))
-        return {key: ShardedTensor.from_rank_offsets(key, torch.empty(tm.shape, dtype=tm.dtype,
-                                                                      device="meta")).without_data()
-                for key, tm in md.tensors.items()}
+        return _tensors_metadata(_translated("metadata read", checkpoint_dir, bcp.inspect, str(checkpoint_dir)))
 
     def load_sharded_metadata(self, checkpoint_dir: str | Path):
         """Tensors as in `load_tensors_metadata`, plus one data-less ShardedObject per saved shard."""
-        md = bcp.inspect(str(checkpoint_dir))
+        md = _translated("metadata read", checkpoint_dir, bcp.inspect, str(checkpoint_dir))
         out = {}
         for unique_key in md.sharded_objects:  # saved under Megatron's unique keys
             out[unique_key] = ShardedObject.empty_from_unique_key(unique_key)
-        out.update(self.load_tensors_metadata(checkpoint_dir))
+        out.update(_tensors_metadata(md))
         return out
+
+
+def _tensors_metadata(md) -> dict:
+    return {key: ShardedTensor.from_rank_offsets(key, torch.empty(tm.shape, dtype=tm.dtype,
+                                                                  device="meta")).without_data()
+            for key, tm in md.tensors.items()}
 
 
 def register_strategies() -> None:
