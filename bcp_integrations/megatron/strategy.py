@@ -27,7 +27,7 @@ from megatron.core.dist_checkpointing.strategies.base import (AsyncSaveShardedSt
 
 import bcp_core as bcp
 from bcp_core.comm import DEFAULT_TIMEOUT
-from bcp_core.errors import BCPError
+from bcp_core.errors import BCPError, PickleNotAllowedError
 from bcp_core.utils import this_rank
 
 from .adapter import load, save
@@ -57,8 +57,12 @@ def _translated(action: str, checkpoint_dir, fn: Callable, *args, **kwargs):
         return fn(*args, **kwargs)
     except BCPError as e:
         rank = this_rank()
+        hint = ""
+        if isinstance(e, PickleNotAllowedError) or "UnsupportedValueError" in str(e):  # a SaveError carries text
+            hint = (" (through dist_checkpointing: save with BcpSaveShardedStrategy(allow_pickle=True), load with "
+                    "BcpLoadShardedStrategy(allow_pickle=True))")
         raise BcpCheckpointingException(f"bcp {action} of {checkpoint_dir} failed on rank {rank}: "
-                                        f"{type(e).__name__}: {e}",
+                                        f"{type(e).__name__}: {e}{hint}",
                                         {rank: (e, traceback.extract_tb(e.__traceback__))}) from e
 
 
