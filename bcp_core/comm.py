@@ -206,6 +206,12 @@ class Comm:
     def _store(self):
         return _thread_store(self._base_store)
 
+    def private_store(self, name: str):
+        """A connection of its own to the job's store, under keys private to this Comm and `name`
+        (`name` must be the same on every rank using it): for a gloo group bcp makes itself,
+        named alike on every member whatever groups the job made before."""
+        return dist.PrefixStore(f"{self._prefix}{name}/", self._base_store.clone())
+
     @property
     def is_coordinator(self) -> bool:
         return self.rank == 0

@@ -94,7 +94,7 @@ def load_checkpoint(path: str | os.PathLike, state: dict, framework: str = "auto
         staging = LoadStaging(st, (), CHECKSUM_BLOCK_BYTES, verify_checksums)
         try:
             with metrics.phase("metadata"):
-                md = parse_metadata(st, _node_broadcast(comm, process_group, lambda: read_metadata_file(st),
+                md = parse_metadata(st, _node_broadcast(comm, lambda: read_metadata_file(st),
                                                         op, timeout))
             staging = LoadStaging(st, md.files, md.checksum_block_bytes, verify_checksums)
             plan, targets, values, result = _prepare(st, md, state, adapter, strict, process_group, allow_pickle,
@@ -185,13 +185,27 @@ def _resolve_for_all(path: str | os.PathLike, comm: Comm, op: str, timeout: time
 _NODE_GROUPS: dict[tuple, Any] = {}
 
 
-def _node_broadcast(comm: Comm, process_group, read: Callable[[], bytes], op: str, timeout: timedelta) -> bytes:
+def _node_group(comm: Comm, local: list[int], timeout: timedelta):
+    """A gloo group of this node's ranks of `comm` (group ranks `local`), made once per Comm.
+
+    It is made outside torch's group registry, on a store prefix private to the Comm and the node:
+    the same name on every member whatever groups each has made before. (torch names a group made
+    with `use_local_synchronization=True` after the number of groups *this* rank knows, which
+    differs between ranks once a framework made groups only some ranks belong to — Megatron's
+    pipeline and embedding groups — so the members waited under different keys, forever.)"""
+    import torch.distributed as dist
+    key = (id(comm), tuple(local))
+    group = _NODE_GROUPS.get(key)
+    if group is None:
+        store = comm.private_store(f"node{comm.nodes[comm.rank]}")
+        group = _NODE_GROUPS[key] = dist.ProcessGroupGloo(store, local.index(comm.rank), len(local), timeout)
+    return group
+
+
+def _node_broadcast(comm: Comm, read: Callable[[], bytes], op: str, timeout: timedelta) -> bytes:
     """`read()` on the lowest rank of each node, its bytes on every rank of that node (gloo, bounded
     by `timeout`). A leader that cannot read sends a failure mark; its node's ranks raise naming it."""
     import torch
-    import torch.distributed as dist
-    members = dist.get_process_group_ranks(process_group) if process_group is not None else \
-        list(range(dist.get_world_size()))
     node = comm.nodes[comm.rank]
     local = [r for r in range(comm.world_size) if comm.nodes[r] == node]
     leader = local[0]
@@ -202,18 +216,15 @@ def _node_broadcast(comm: Comm, process_group, read: Callable[[], bytes], op: st
         except Exception as e:  # noqa: BLE001 - the node's other ranks are told, then this rank raises it
             error = e
     if len(local) > 1:
-        ranks = tuple(members[r] for r in local)
-        group = _NODE_GROUPS.get(ranks)
-        if group is None:  # only this node's ranks take part in creating it
-            group = _NODE_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        group = _node_group(comm, local, timeout)
         size = torch.tensor([-1 if error is not None else len(data)], dtype=torch.int64)
-        _bounded(dist.broadcast(size, src=members[leader], group=group, async_op=True), comm, leader, op, timeout)
+        _bounded(group.broadcast(size, 0), comm, leader, op, timeout)
         if size.item() < 0:
             raise BCPError(f"{op}/metadata: rank {leader}, which reads the metadata for its node, could not read it")
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if comm.rank == leader and data else \
             torch.empty(int(size.item()), dtype=torch.uint8)
         if buf.numel():
-            _bounded(dist.broadcast(buf, src=members[leader], group=group, async_op=True), comm, leader, op, timeout)
+            _bounded(group.broadcast(buf, 0), comm, leader, op, timeout)
         data = buf.numpy().tobytes()
     if error is not None:
         raise error

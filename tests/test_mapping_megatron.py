@@ -231,10 +231,10 @@ def _sharded_hf_target(wrap: str, path: str, ref: dict) -> dict:
             fully_shard(layer, mesh=mesh)
         model = fully_shard(hf, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    # share_reads=False: a collective load here hangs creating bcp's node group after Megatron's
-    # groups (issue 23 notes; to be fixed in bcp_core/loader.py _node_broadcast)
+    # a collective load (shared reads, the metadata read once per node) after Megatron made and
+    # destroyed its process groups
     bcp.load(path, {"model": model, "optimizer": opt}, mapping=bcp.mapping.megatron_to_hf(hf.config),
-             share_reads=False)
+             share_reads=True)
 
     def full(t):
         return t.full_tensor() if isinstance(t, DTensor) else t
