@@ -15,13 +15,14 @@ from .adapter import (build_factories, flat_range_sharded_tensors, load, load_st
 from .optimizer import fully_reshardable_param_state  # noqa: E402
 from .megatron_lm import add_ckpt_format_choice, bcp_selected, enable_megatron_lm  # noqa: E402
 from .preemption import exit_after_preemption  # noqa: E402
-from .strategy import (BACKEND, VERSION, BcpLoadShardedStrategy, BcpSaveShardedStrategy,  # noqa: E402
-                       register_strategies)
+from .strategy import (BACKEND, VERSION, BcpCheckpointingException, BcpLoadShardedStrategy,  # noqa: E402
+                       BcpSaveShardedStrategy, register_strategies)
 
 register_strategies()
 
 __all__ = [
-    "BACKEND", "VERSION", "BcpSaveShardedStrategy", "BcpLoadShardedStrategy", "register_strategies",
+    "BACKEND", "VERSION", "BcpSaveShardedStrategy", "BcpLoadShardedStrategy", "BcpCheckpointingException",
+    "register_strategies",
     "save", "load", "save_state", "load_state", "build_factories", "merge_factories", "flat_range_sharded_tensors",
     "fully_reshardable_param_state", "enable_megatron_lm", "add_ckpt_format_choice", "bcp_selected",
     "exit_after_preemption",
