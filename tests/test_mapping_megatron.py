@@ -3,11 +3,13 @@
 One 2-rank job (gloo, Megatron's DDP and DistributedOptimizer under tests/megatron_cpu.py) builds a
 tiny Llama-like GPTModel (local spec, RMSNorm, SwiGLU, GQA with 2 query groups for 4 heads, RoPE,
 no biases, vocabulary 100 padded to 128 * TP), trains it 2 steps at TP=2 (tied and untied
-embeddings) and at PP=2, saves it through `("bcp", 1)` with the optimizer state in Megatron's
-`fully_reshardable` layout, and on every rank loads it into a LlamaForCausalLM on its own (one
-process) with `megatron_to_hf`. Each rank reports, per case, how far the Hugging Face logits are
-from Megatron's and whether the AdamW moments equal the Megatron optimizer's own state for the
-part of each parameter this rank holds; the tests assert on those reports.
+embeddings), at PP=2 and at DP=2 (tied), and saves it through `("bcp", 1)` twice: with Megatron's
+own `fully_reshardable` optimizer layout, and with bcp's gather-free
+`fully_reshardable_param_state` (the two must hold the same tensors). On every rank it loads the
+gather-free one into a LlamaForCausalLM on its own (one process) with `megatron_to_hf`. Each rank
+reports, per case, how far the Hugging Face logits are from Megatron's and whether the AdamW
+moments equal the Megatron optimizer's own state for the part of each parameter this rank holds;
+the tests assert on those reports.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch  # noqa: E402
 from dist import run_ranks  # noqa: E402
 
 VOCAB, HIDDEN, HEADS, GROUPS, FFN, LAYERS, SEQ = 100, 32, 4, 2, 48, 2, 8
-CASES = {"tp2_untied": (2, 1, False), "tp2_tied": (2, 1, True), "pp2_untied": (1, 2, False)}
+CASES = {"tp2_untied": (2, 1, False), "tp2_tied": (2, 1, True), "pp2_untied": (1, 2, False),
+         "dp2_tied": (1, 1, True)}
 
 
 def hf_config(tied: bool):
@@ -131,7 +134,22 @@ def _megatron_moments(model, opt) -> dict:
                     k: built[k][i].data.clone() for k in built}
             continue
         out[(sh.key, tuple(sh.global_offset), (1,) * sh.prepend_axis_num + tuple(sh.local_shape))] = local
-    return out, distopt
+    return out
+
+
+def _saved_moments(path: str) -> dict:
+    """The same, read whole from Megatron's own fully_reshardable checkpoint (DP > 1: a rank's
+    optimizer holds only a slice; Megatron gathered the slices to save them)."""
+    from bcp_core.tools.read import open_checkpoint, read_tensor
+    st, md = open_checkpoint(path)
+    out = {}
+    for key, tm in md.tensors.items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            prefix = f"optimizer.state.{name}."
+            if key.startswith(prefix):
+                out.setdefault((key[len(prefix):], (0,) * len(tm.shape), tuple(tm.shape)), {})[name] = \
+                    read_tensor(st, md, key)
+    return out
 
 
 def _megatron_to_hf(rank, world_size, root):
@@ -140,7 +158,7 @@ def _megatron_to_hf(rank, world_size, root):
     from megatron.core import dist_checkpointing as dcp
 
     import bcp_core as bcp
-    import bcp_integrations.megatron  # noqa: F401 - registers ("bcp", 1)
+    from bcp_integrations.megatron import fully_reshardable_param_state  # registers ("bcp", 1)
     from megatron_cpu import cuda_on_cpu
     from test_mapping import megatron_layout
 
@@ -157,16 +175,26 @@ def _megatron_to_hf(rank, world_size, root):
             logits = _run(ddp, tokens(99), forward_only=True)
             model_sd = model.sharded_state_dict()
             opt_sd = opt.sharded_state_dict(model_sd, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
-            path = os.path.join(root, case)
+            path = os.path.join(root, case)  # Megatron's own fully_reshardable (gathered over DP)
             os.makedirs(path, exist_ok=True)
             torch.distributed.barrier()
             dcp.save({"model": model_sd, "optimizer": opt_sd}, path, sharded_strategy=("bcp", 1))
-            moments, distopt = _megatron_moments(model, opt)
+            distopt = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
+            # the same state written gather-free (SwiGLU's fc1 through its factory): the HF side loads this
+            gather_free = path + "_gather_free"
+            os.makedirs(gather_free, exist_ok=True)
+            torch.distributed.barrier()
+            model_sd = model.sharded_state_dict()  # dcp.save built the factories of the first in place
+            opt_sd = opt.sharded_state_dict(model.sharded_state_dict(),
+                                            metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+            opt_sd["param_state"] = fully_reshardable_param_state(distopt, model_sd)
+            dcp.save({"model": model_sd, "optimizer": opt_sd}, gather_free, sharded_strategy=("bcp", 1))
+            moments = _megatron_moments(model, opt) if tp * pp == 2 else _saved_moments(path)
         # every rank, on its own: a Hugging Face model and a fresh AdamW from the checkpoint
         torch.manual_seed(5)
         hf = transformers.LlamaForCausalLM(hf_config(tied)).eval()
         hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-2, weight_decay=0.01)
-        bcp.load(path, {"model": hf, "optimizer": hf_opt}, mapping=bcp.mapping.megatron_to_hf(hf.config))
+        bcp.load(gather_free, {"model": hf, "optimizer": hf_opt}, mapping=bcp.mapping.megatron_to_hf(hf.config))
         with torch.no_grad():
             hf_logits = hf(input_ids=tokens(99)).logits
         r = {"framework": bcp.inspect(path).framework, "logits_diff": None, "megatron_logit_scale": None}
@@ -205,7 +233,7 @@ def _megatron_to_hf(rank, world_size, root):
         ref["after_step"] = {n: p.detach().clone() for n, p in hf.named_parameters()}
         results[case] = r
         if case == "tp2_untied":
-            refs = (path, ref)
+            refs = (gather_free, ref)
     from megatron.core import parallel_state as ps
     ps.destroy_model_parallel()
     for wrap in ("ddp", "fsdp2"):
@@ -317,3 +345,19 @@ def test_megatron_checkpoint_loads_into_ddp_and_fsdp2(megatron_to_hf_run, wrap):
         assert c["sharded"] and c["logits_diff"] <= 1e-6 and not c["bad"], c
         assert c["steps"] == [2.0] and c["states"] == 21
         assert c["after_step_diff"] <= 1e-6, c
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gather_free_optimizer_state_equals_megatrons_fully_reshardable(megatron_to_hf_run, case):
+    """`fully_reshardable_param_state` (no gather; SwiGLU's fc1 cut at its [gate; up] factory parts,
+    at DP=2 a rank's slice straddling the two) writes exactly the tensors Megatron's own
+    fully_reshardable layout writes after gathering."""
+    from bcp_core.tools.read import open_checkpoint, read_tensor
+    path = os.path.join(megatron_to_hf_run[0]["root"], case)
+    (st, md), (st2, md2) = open_checkpoint(path), open_checkpoint(path + "_gather_free")
+    assert md.tensors.keys() == md2.tensors.keys()
+    for key in md.tensors:
+        assert torch.equal(read_tensor(st, md, key), read_tensor(st2, md2, key)), key
+    if case == "dp2_tied":  # the DP slices were saved as several boxes each, where they fell
+        fc1 = md2.tensors["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"]
+        assert len(fc1.pieces) > 4, fc1.pieces
