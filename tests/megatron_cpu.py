@@ -4,6 +4,14 @@ Megatron hard-codes CUDA in a few places even for CPU tensors: `device="cuda"` /
 `torch.cuda.current_device()` for its buffers, `Tensor.cuda()`, `Tensor.type()` compared with
 "torch.cuda.FloatTensor", CUDA streams, and the CUDA RNG tracker around attention dropout.
 `cuda_on_cpu()` redirects exactly those, and puts everything back on exit.
+
+It also mends one thing of the path Megatron takes without Apex or Transformer Engine (torch's
+Adam, the only one on CPU): loading `fully_reshardable` optimizer state copies every key of the
+inner optimizer's state from the loaded tensors, including the `step` that `load_state_dict` has
+just set from the param groups and that loaded tensors never hold (KeyError: 'step'), and that
+step is one tensor shared by every parameter, which torch's Adam then increments once per
+parameter per step; here keys the loaded tensors lack are left as they are, and each parameter
+gets its own copy of the step.
 """
 
 from __future__ import annotations
@@ -81,6 +89,22 @@ def cuda_on_cpu():
     patch(torch.cuda, "current_stream", lambda *a, **k: _Stream())
     patch(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext())
     patch(mrandom.CudaRNGStatesTracker, "fork", lambda self, name=None: contextlib.nullcontext())
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_loaded_states(self, model_param, tensors):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return set_states(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        state = self.optimizer.state[main_param]
+        for key, dst in {"param": main_param, **state}.items():
+            if key in tensors:
+                dst.copy_(tensors[key])
+            elif key == "step":
+                state[key] = dst.clone()
+
+    patch(DistributedOptimizer, "_set_main_param_and_optimizer_states", set_loaded_states)
     try:
         yield
     finally:

@@ -27,7 +27,7 @@ from dist import run_ranks  # noqa: E402
 
 VOCAB, HIDDEN, HEADS, GROUPS, FFN, LAYERS, SEQ = 100, 32, 4, 2, 48, 2, 8
 CASES = {"tp2_untied": (2, 1, False), "tp2_tied": (2, 1, True), "pp2_untied": (1, 2, False),
-         "dp2_tied": (1, 1, True)}
+         "pp2_tied": (1, 2, True), "dp2_tied": (1, 1, True)}
 
 
 def hf_config(tied: bool):
@@ -75,8 +75,11 @@ def _gpt(tp: int, pp: int, tied: bool):
 
 
 def _distributed(cfg, model):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    # as Megatron-LM's training loop does: after backward, reduce the gradients over DP and sum the
+    # tied embedding's over the first and last pipeline stages (they hold one weight each)
+    cfg.finalize_model_grads_func = finalize_model_grads
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True,
                                                                      grad_reduce_in_fp32=True), model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01,
@@ -137,6 +140,31 @@ def _megatron_moments(model, opt) -> dict:
     return out
 
 
+def _compare_moments(moments: dict, hf, hf_opt, padded: int) -> tuple[list[str], int]:
+    """Megatron moments ({(key, offsets, lengths): {state: tensor}}) against the Hugging Face
+    AdamW's, laid out as Megatron lays them by hand (test_mapping.megatron_layout); Megatron's
+    padding rows, which have no counterpart, must be zero or are skipped (`zero_padding`)."""
+    from test_mapping import megatron_layout
+    names = {id(p): n for n, p in hf.named_parameters()}
+    hf_moments = {k: {names[id(p)]: s[k] for p, s in hf_opt.state.items()} for k in ("exp_avg", "exp_avg_sq")}
+    laid = {k: megatron_layout(v, hf.config, padded) for k, v in hf_moments.items()}
+    bad, checked = [], 0
+    for (key, off, ln), states in moments.items():
+        for name, t in states.items():
+            if key not in laid[name]:
+                bad.append(f"{key} has no counterpart")
+                continue
+            box = tuple(slice(o, o + n) for o, n in zip(off, ln))
+            want = laid[name][key][box].reshape(t.shape)
+            if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                rows = max(0, min(t.shape[0], VOCAB - off[0]))  # padding rows have no HF counterpart
+                t, want = t[:rows], want[:rows]
+            checked += t.numel()
+            if not torch.equal(t, want):
+                bad.append(f"{name} of {key} at {off}: max diff {float((t - want).abs().max())}")
+    return bad, checked
+
+
 def _saved_moments(path: str) -> dict:
     """The same, read whole from Megatron's own fully_reshardable checkpoint (DP > 1: a rank's
     optimizer holds only a slice; Megatron gathered the slices to save them)."""
@@ -160,7 +188,6 @@ def _megatron_to_hf(rank, world_size, root):
     import bcp_core as bcp
     from bcp_integrations.megatron import fully_reshardable_param_state  # registers ("bcp", 1)
     from megatron_cpu import cuda_on_cpu
-    from test_mapping import megatron_layout
 
     results = {}
     for case, (tp, pp, tied) in CASES.items():
@@ -202,24 +229,7 @@ def _megatron_to_hf(rank, world_size, root):
             want = logits[..., :VOCAB].transpose(0, 1) if logits.shape[0] == SEQ else logits[..., :VOCAB]
             r["logits_diff"] = float((hf_logits - want).abs().max())
             r["megatron_logit_scale"] = float(want.abs().max())
-        names = {id(p): n for n, p in hf.named_parameters()}
-        hf_moments = {k: {names[id(p)]: s[k] for p, s in hf_opt.state.items()} for k in ("exp_avg", "exp_avg_sq")}
-        padded = 128 * tp
-        laid = {k: megatron_layout(v, hf.config, padded) for k, v in hf_moments.items()}
-        bad, checked = [], 0
-        for (key, off, ln), states in moments.items():
-            for name, t in states.items():
-                if key not in laid[name]:
-                    bad.append(f"{key} has no counterpart")
-                    continue
-                box = tuple(slice(o, o + n) for o, n in zip(off, ln))
-                want = laid[name][key][box].reshape(t.shape)
-                if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
-                    rows = max(0, min(t.shape[0], VOCAB - off[0]))  # padding rows have no HF counterpart
-                    t, want = t[:rows], want[:rows]
-                checked += t.numel()
-                if not torch.equal(t, want):
-                    bad.append(f"{name} of {key} at {off}: max diff {float((t - want).abs().max())}")
+        bad, checked = _compare_moments(moments, hf, hf_opt, 128 * tp)
         r.update(bad=bad, checked=checked, steps=sorted({float(s["step"]) for s in hf_opt.state.values()}),
                  hf_states=len(hf_opt.state), hf_params=len(list(hf.parameters())),
                  megatron_step=sorted({float(s["step"]) for s in distopt.optimizer.state.values()}))
@@ -234,11 +244,75 @@ def _megatron_to_hf(rank, world_size, root):
         results[case] = r
         if case == "tp2_untied":
             refs = (gather_free, ref)
+    results["reverse"] = _hf_to_megatron(root)
     from megatron.core import parallel_state as ps
     ps.destroy_model_parallel()
     for wrap in ("ddp", "fsdp2"):
         results[wrap] = _sharded_hf_target(wrap, *refs)
     return results
+
+
+REVERSE = {"tp2_untied": (2, 1, False), "tp2_tied": (2, 1, True), "pp2_untied": (1, 2, False),
+           "pp2_tied": (1, 2, True)}
+
+
+def _hf_to_megatron(root: str) -> dict:
+    """A LlamaForCausalLM trained 2 steps with torch's AdamW and saved by bcp (both ranks hold the
+    same model: a replicated save), loaded into the GPTModel and its DistributedOptimizer at TP=2
+    and PP=2 with `hf_to_megatron`: through `bcp_integrations.megatron.load` (TP=2) and through
+    `BcpLoadShardedStrategy(mapping=...)` (PP=2); the optimizer state in the fully_reshardable layout."""
+    import bcp_core as bcp
+    import bcp_integrations.megatron as bm
+    from megatron_cpu import cuda_on_cpu
+    from test_mapping import trained
+
+    out = {}
+    for case, (tp, pp, tied) in REVERSE.items():
+        torch.manual_seed(11)
+        hf = transformers.LlamaForCausalLM(hf_config(tied))
+        with torch.no_grad():  # norms away from 1, so that a misplaced norm weight shows in the logits
+            for name, p in hf.named_parameters():
+                if "norm" in name:
+                    p.uniform_(0.5, 1.5)
+        hf_opt = trained(hf)
+        path = os.path.join(root, f"hf_{case}")
+        bcp.save(path, {"model": hf, "optimizer": hf_opt}).wait()
+        with torch.no_grad():
+            hf_logits = hf.eval()(input_ids=tokens(99)).logits
+        m = bcp.mapping.hf_to_megatron(hf.config)
+        with cuda_on_cpu():
+            cfg, model = _gpt(tp, pp, tied)
+            ddp, opt = _distributed(cfg, model)
+            distopt = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
+            # Without Apex/TE (torch's Adam here) DistributedOptimizer.state_dict reads the step from
+            # the inner optimizer's state, which a fresh one lacks; the load replaces all of it
+            distopt.init_state_fn(distopt.optimizer, distopt.config)
+            for st in distopt.optimizer.state.values():
+                st["step"] = torch.tensor(0.0)
+            sharded = {"model": model.sharded_state_dict()}
+            sharded["optimizer"] = opt.sharded_state_dict(sharded["model"], is_loading=True, metadata={
+                "distrib_optim_sharding_type": "fully_reshardable"})
+            if pp == 1:
+                loaded = bm.load(sharded, path, mapping=m)
+            else:
+                loaded = bm.BcpLoadShardedStrategy(mapping=m).load(sharded, path)
+            model.load_state_dict(loaded["model"])
+            opt.load_state_dict(loaded["optimizer"])
+            logits = _run(ddp, tokens(99), forward_only=True)
+            moments = _megatron_moments(model, opt)
+            steps = sorted({float(s["step"]) for s in distopt.optimizer.state.values()})
+            ddp.zero_grad_buffer()  # one more step runs
+            opt.zero_grad()
+            _run(ddp, tokens(7), forward_only=False)
+            opt.step()
+            after = sorted({float(s["step"]) for s in distopt.optimizer.state.values()})
+        r = {"logits_diff": None, "steps": steps, "after": after}
+        if logits is not None:
+            want = logits[..., :VOCAB].transpose(0, 1) if logits.shape[0] == SEQ else logits[..., :VOCAB]
+            r["logits_diff"] = float((hf_logits - want).abs().max())
+        r["bad"], r["checked"] = _compare_moments(moments, hf, hf_opt, 128 * tp)
+        out[case] = r
+    return out
 
 
 def _sharded_hf_target(wrap: str, path: str, ref: dict) -> dict:
@@ -361,3 +435,17 @@ def test_gather_free_optimizer_state_equals_megatrons_fully_reshardable(megatron
     if case == "dp2_tied":  # the DP slices were saved as several boxes each, where they fell
         fc1 = md2.tensors["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"]
         assert len(fc1.pieces) > 4, fc1.pieces
+
+
+@pytest.mark.parametrize("case", list(REVERSE))
+def test_hf_checkpoint_loads_into_megatron(megatron_to_hf_run, case):
+    """The reverse: logits within 1e-5 of the Hugging Face model's, the DistributedOptimizer's
+    moments equal to AdamW's element for element, step 2, and one more Megatron step runs."""
+    diffs = [r["reverse"][case]["logits_diff"] for r in megatron_to_hf_run
+             if r["reverse"][case]["logits_diff"] is not None]
+    assert diffs and max(diffs) <= 1e-5, diffs
+    for r in megatron_to_hf_run:
+        c = r["reverse"][case]
+        assert not c["bad"], c["bad"][:5]
+        assert c["checked"] > 1000
+        assert c["steps"] == [2.0] and c["after"] == [3.0], c

@@ -401,6 +401,31 @@ class MappedCheckpoint:
                                "step counter(s) in param groups; pass step= to the mapping")
         return int(found.pop())
 
+    def source_step(self) -> int | None:
+        """The source optimizer's step counter, or None when the checkpoint holds no optimizer state:
+        for a target that keeps one step outside its parameters (Megatron's param groups). Read
+        from the source's per-parameter counters (which must agree), or as `_step` finds it."""
+        m = self.mapping
+        if not self._optimizer_present():
+            return None
+        if m.source_keys.step is None:
+            return self._step()
+        keys = [m.source_keys.step.format(name=n) for n in m.sources if n not in m.unread]
+        keys = [k for k in keys if k in self.source.tensors and not self.source.tensors[k].shape]
+        if not keys:
+            return self._step()
+        from ..engine import read_all
+        values = {k: torch.empty((), dtype=self.source.tensors[k].dtype) for k in keys}
+        items = [item for k, v in values.items() for item in box_read_items(k, self.source.tensors[k], Box((), (), v))]
+        read_all(self.storage, self.source.files, self.source.checksum_block_bytes, items, True, 4)
+        found = {int(v.item()) for v in values.values()}
+        if len(found) != 1:
+            if m.step is not None:
+                return m.step
+            raise MappingError(f"mapping {m.name!r}: the source's parameters were stepped {sorted(found)} times; "
+                               "pass step= to the mapping")
+        return found.pop()
+
     # -- the load's reads
 
     def read_items(self, fqn: str, tm: TensorMeta, target: Any, fresh: bool = False) -> list[ReadItem]:

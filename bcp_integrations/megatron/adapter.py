@@ -38,6 +38,7 @@ import bcp_core as bcp
 from bcp_core.adapters import ModuleAdapter, register_adapter
 from bcp_core.errors import BCPError, ShapeMismatchError
 from bcp_core.shards import Box, ObjectShard, ShardedView, range_boxes
+from bcp_core.storage import storage_for
 from bcp_core.utils import this_rank
 
 # io.BytesIO (Transformer Engine's `_extra_state`) has no place in bcp's safe codec; it travels as
@@ -335,18 +336,57 @@ def save(sharded_state_dict: dict, path: str, *, async_save: bool = False, **kwa
     return bcp.save(str(path), save_state(built), framework="megatron", async_save=async_save, **kwargs)
 
 
-def load(sharded_state_dict: dict, path: str, **kwargs) -> dict:
+def load(sharded_state_dict: dict, path: str, *, mapping=None, **kwargs) -> dict:
     """Load into a Megatron sharded state dict of any layout; returns the loaded state dict.
 
     ShardedTensors with data are filled in place; factories are merged back. `kwargs` go to
     `bcp_core.load` (strict=True by default: a key missing from the checkpoint is an error).
+
+    `mapping`: a checkpoint of another model family or framework, seen through a
+    `bcp_core.mapping.Mapping` (e.g. `bcp.mapping.hf_to_megatron(hf_config)` for a Hugging Face
+    Llama checkpoint saved by bcp). Only what the mapping makes is read: the weights, and the
+    DistributedOptimizer's `fully_reshardable` state (moments; the fp32 master copy from the source's
+    weights). Plain values and ShardedObjects of the state dict (the optimizer's param groups, extra
+    state) keep the target's own, except the optimizer step: every param group's `step` is set to
+    the source's (docs/mapping.md). `mapping="auto"` refuses: a Megatron state does not say which
+    model family it is.
     """
     built, factories = build_factories(sharded_state_dict)
     md = bcp.inspect(str(path))
+    mapped = None
+    if mapping is not None:
+        from bcp_core.mapping import resolve_mapping
+        m = resolve_mapping(mapping, md, {}, _ADAPTER)
+        if m is not None:
+            mapped = m.bind(md, storage_for(str(path)))
+            md = mapped.metadata
     plan = load_state(built, {k: tm.shape for k, tm in md.tensors.items()},
                       {k: tm.dtype for k, tm in md.tensors.items()})
-    bcp.load(str(path), plan.state, framework="megatron", **kwargs)
-    return merge_factories(plan.result(built), factories)
+    state = plan.state
+    if mapped is not None:  # only tensors come through a mapping; the rest stays the target's
+        state = {k: v for k, v in plan.state.items() if isinstance(v, ShardedView)}
+    bcp.load(str(path), state, framework="megatron", mapping=mapped.mapping if mapped else None, **kwargs)
+    result = merge_factories(plan.result(built), factories)
+    if mapped is not None:
+        step = mapped.source_step()
+        if step is not None:
+            _set_group_steps(result, step)
+    return result
+
+
+def _set_group_steps(tree: Any, step: int) -> None:
+    """`step` of every optimizer param group (a dict in a list under "param_groups") in `tree`."""
+    if isinstance(tree, dict):
+        groups = tree.get("param_groups")
+        if isinstance(groups, list):
+            for g in groups:
+                if isinstance(g, dict):
+                    g["step"] = step
+        for v in tree.values():
+            _set_group_steps(v, step)
+    elif isinstance(tree, list):
+        for v in tree:
+            _set_group_steps(v, step)
 
 
 class MegatronAdapter(ModuleAdapter):
@@ -360,4 +400,5 @@ class MegatronAdapter(ModuleAdapter):
         return False  # never auto-detected: Megatron state is not a module
 
 
-register_adapter(MegatronAdapter())
+_ADAPTER = MegatronAdapter()
+register_adapter(_ADAPTER)

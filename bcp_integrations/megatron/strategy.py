@@ -108,11 +108,13 @@ class BcpSaveShardedStrategy(AsyncSaveShardedStrategy):
 class BcpLoadShardedStrategy(LoadShardedStrategy):
     """Loads a bcp checkpoint into any Megatron layout (TP/PP/DP/EP may all differ from the save)."""
 
-    def __init__(self, *, allow_pickle: bool = False, verify_checksums: bool = True, num_threads: int = 4):
+    def __init__(self, *, allow_pickle: bool = False, verify_checksums: bool = True, num_threads: int = 4,
+                 mapping=None):
         super().__init__()
         self.allow_pickle = allow_pickle
         self.verify_checksums = verify_checksums
         self.num_threads = num_threads
+        self.mapping = mapping  # a bcp_core.mapping.Mapping: load another framework's checkpoint (adapter.load)
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -133,7 +135,7 @@ class BcpLoadShardedStrategy(LoadShardedStrategy):
         a shape that differs without `allow_shape_mismatch`, a damaged checkpoint."""
         return _translated("load", checkpoint_dir, load, sharded_state_dict, checkpoint_dir, strict=True,
                            allow_pickle=self.allow_pickle, verify_checksums=self.verify_checksums,
-                           num_threads=self.num_threads)
+                           num_threads=self.num_threads, mapping=self.mapping)
 
     def load_tensors_metadata(self, checkpoint_dir: str | Path):
         """key -> data-less ShardedTensor with the saved global shape and dtype (one shard)."""
