@@ -229,6 +229,7 @@ def _megatron_to_hf(rank, world_size, root):
             want = logits[..., :VOCAB].transpose(0, 1) if logits.shape[0] == SEQ else logits[..., :VOCAB]
             r["logits_diff"] = float((hf_logits - want).abs().max())
             r["megatron_logit_scale"] = float(want.abs().max())
+            r["megatron_logits"] = want.clone()
         bad, checked = _compare_moments(moments, hf, hf_opt, 128 * tp)
         r.update(bad=bad, checked=checked, steps=sorted({float(s["step"]) for s in hf_opt.state.values()}),
                  hf_states=len(hf_opt.state), hf_params=len(list(hf.parameters())),
@@ -449,3 +450,41 @@ def test_hf_checkpoint_loads_into_megatron(megatron_to_hf_run, case):
         assert not c["bad"], c["bad"][:5]
         assert c["checked"] > 1000
         assert c["steps"] == [2.0] and c["after"] == [3.0], c
+
+
+@pytest.mark.parametrize("case", ["tp2_untied", "pp2_tied"])
+def test_export_to_hf_with_the_mapping_loads_with_from_pretrained(megatron_to_hf_run, case, tmp_path):
+    """`bcp export PATH OUT --to hf --mapping megatron-to-hf --config CONFIG`: a directory that
+    from_pretrained loads, with Megatron's logits (the tied model writes no lm_head)."""
+    import json
+
+    from safetensors import safe_open
+
+    from bcp_core.tools.cli import main
+    tied = CASES[case][2]
+    config = tmp_path / "config.json"
+    hf_config(tied).to_json_file(str(config))
+    out = tmp_path / "hf"
+    path = os.path.join(megatron_to_hf_run[0]["root"], case)
+    assert main(["export", path, str(out), "--to", "hf", "--mapping", "megatron-to-hf", "--config",
+                 str(config)]) == 0
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert ("lm_head.weight" in keys) != tied and len(keys) == 3 + 9 * LAYERS - tied
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] == tied
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        logits = hf(input_ids=tokens(99)).logits
+    want = next(r[case]["megatron_logits"] for r in megatron_to_hf_run if r[case]["logits_diff"] is not None)
+    assert float((logits - want).abs().max()) <= 1e-5
+
+
+def test_export_with_a_mapping_refuses_a_wrong_config(megatron_to_hf_run, tmp_path):
+    from bcp_core.errors import ToolError
+    from bcp_core.tools.convert import export_checkpoint
+    config = tmp_path / "config.json"
+    transformers.LlamaConfig(**{**hf_config(False).to_dict(), "num_attention_heads": 8}).to_json_file(str(config))
+    path = os.path.join(megatron_to_hf_run[0]["root"], "tp2_untied")
+    with pytest.raises(ToolError, match=r"linear_qkv.weight' has shape \(2, 64, 32\).*declares \(2, 96, 32\)"):
+        export_checkpoint(path, str(tmp_path / "out"), mapping="megatron-to-hf", config=str(config))
+    assert not (tmp_path / "out").exists()

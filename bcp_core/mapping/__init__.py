@@ -162,11 +162,12 @@ class Mapping:
         return replace(self, source_keys=source_keys or self.source_keys, target_keys=target_keys or self.target_keys)
 
     def bind(self, md: CheckpointMetadata, storage=None,
-             check_files: Callable[[str, TensorMeta], None] = lambda fqn, tm: None) -> MappedCheckpoint:
+             check_files: Callable[[str, TensorMeta], None] = lambda fqn, tm: None,
+             optimizer: bool = True) -> MappedCheckpoint:
         """This mapping applied to the checkpoint `md` (in `storage`): the metadata the load sees
         (target keys, shapes, dtypes) and the source byte ranges behind each target box. Checks every
-        source against the declaration first."""
-        return MappedCheckpoint(self, md, storage, check_files)
+        source against the declaration first. `optimizer=False`: the weights only (an export)."""
+        return MappedCheckpoint(self, md, storage, check_files, optimizer)
 
 
 def _inside(region: Region, shape: Shape, what: str) -> None:
@@ -274,6 +275,7 @@ class MappedCheckpoint:
     source: CheckpointMetadata
     storage: Any = None
     check_files: Callable[[str, TensorMeta], None] = lambda fqn, tm: None
+    optimizer: bool = True
     metadata: CheckpointMetadata = field(init=False)
     reads: dict[str, list[_Read]] = field(init=False, default_factory=dict)
     zeros: dict[str, list[tuple[tuple, tuple]]] = field(init=False, default_factory=dict)
@@ -291,7 +293,7 @@ class MappedCheckpoint:
         by_target: dict[str, list[Copy]] = {}
         for c in m.read_copies:
             by_target.setdefault(c.target.key, []).append(c)
-        with_state = self._optimizer_present()
+        with_state = self.optimizer and self._optimizer_present()
         step = None
         for name, shape in shapes.items():
             copies = by_target.get(name, [])
@@ -469,10 +471,12 @@ class MappedCheckpoint:
         return items
 
     def fill_zeros(self) -> None:
-        """Zero the target elements no source covers (run once every read is verified)."""
+        """Zero the target elements no source covers in the boxes read so far (run once every read is
+        verified)."""
         with torch.no_grad():
             for v in self._zero_views:
                 v.zero_()
+        self._zero_views.clear()
 
 
 def _narrow(box: Box, offsets, lengths) -> torch.Tensor:

@@ -21,6 +21,7 @@ examples:
   bcp inspect ckpts/                         what is in the latest checkpoint under ckpts/
   bcp verify s3://bucket/run1/step_00001000  check completeness and every checksum
   bcp export ckpts/ hf_out --to hf --dtype bf16 --config my_model_dir
+  bcp export megatron_ckpt/ hf_out --to hf --mapping megatron-to-hf --config hf_config.json
   bcp import hf_model_dir ckpts/step_00000000 --from hf
   bcp prune ckpts/ --keep-last 3 --keep-every 1000
 
@@ -85,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="PATH",
                    help="config.json, or a directory whose non-weight files (config, tokenizer) are copied "
                         "into OUT so that from_pretrained(OUT) works")
+    p.add_argument("--mapping", choices=list(convert.MAPPINGS),
+                   help="write another framework's checkpoint as the Hugging Face model --config describes "
+                        "(megatron-to-hf: a Megatron-core GPTModel as a Llama-family model; docs/mapping.md)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="decode pickled values (only for --to torch without --model-only; runs code from "
                         "the checkpoint: only for checkpoints you trust)")
@@ -178,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "export":
         rep = convert.export_checkpoint(args.path, args.out, args.to, args.model_only or None, args.dtype,
                                         args.rename, args.shard_size, args.config, args.allow_pickle, args.threads,
-                                        progress)
+                                        progress, args.mapping)
         _print_json(rep) if args.json else print(
             f"exported {rep['tensors']} tensors ({human_bytes(rep['bytes'])}) to {rep['out']}: "
             + ", ".join(rep["files"][:6]) + (" ..." if len(rep["files"]) > 6 else ""))

@@ -16,13 +16,14 @@ from typing import Any
 import torch
 
 from .. import api, codec
-from ..engine import SAFETENSORS_DTYPES, ShardReader
+from ..engine import SAFETENSORS_DTYPES, ShardReader, read_all
 from ..errors import BCPError, ToolError
-from ..metadata import CheckpointMetadata, ObjectValue, TensorMeta, dtype_from_name, element_size
+from ..metadata import CheckpointMetadata, ObjectValue, TensorMeta, check_file_sizes, dtype_from_name, element_size
 from ..storage import Storage, storage_for
 from ..storage.base import temp_name
 from ..storage.local import local_path
-from .read import open_checkpoint, progress_bar, read_blocks, read_whole, sections
+from ..shards import Box
+from .read import CHUNK_BYTES, open_checkpoint, progress_bar, read_blocks, read_whole, row_blocks, sections
 from .rename import parse_rules, rename_map
 
 _SAFETENSORS_CODE_TO_DTYPE = {code: dt for dt, code in SAFETENSORS_DTYPES.items()}
@@ -119,18 +120,32 @@ def _copy_config(config: str, out: Storage) -> list[str]:
     return [n for _, n in sources]
 
 
+MAPPINGS = ("megatron-to-hf",)  # --mapping: declared mappings an export can apply (docs/mapping.md)
+
+
 def export_checkpoint(path: str, out: str, to: str = "hf", model_only: bool | None = None,
                       dtype: str | None = None, rename: list[str] | None = None, shard_size: str = "5GB",
                       config: str | None = None, allow_pickle: bool = False, num_threads: int = 4,
-                      progress: bool = False) -> dict:
+                      progress: bool = False, mapping: str | None = None) -> dict:
     """Merge a checkpoint into a Hugging Face directory or a torch.save file, in bounded memory.
 
     Tensors are read in row blocks of ~64 MiB (from whichever saved pieces cover them) and
     written out as they arrive, so peak memory does not grow with the model.
+
+    `mapping="megatron-to-hf"` (with `config`: the Hugging Face config.json, or its directory)
+    writes a Megatron-core checkpoint as the Hugging Face model the config describes: each block of
+    a Hugging Face tensor is read from the source regions the declared mapping names (the rows of
+    `linear_qkv` for a block of `q_proj`...), padding dropped, tied weights written once.
     """
     st, md = open_checkpoint(path)
     rules = parse_rules(rename)
     cast = parse_dtype(dtype)
+    if mapping is not None:
+        if to != "hf" or rules or model_only:
+            raise ToolError("--mapping writes a Hugging Face directory: use it with --to hf, without --rename "
+                            "or --model-only")
+        mapped, entries = _mapped_entries(st, md, mapping, config, cast)
+        return _export_hf(st, md, out, entries, parse_size(shard_size), config, num_threads, progress, mapped)
     if to == "hf":
         # A Hugging Face directory holds model weights only.
         if model_only is None:
@@ -143,7 +158,51 @@ def export_checkpoint(path: str, out: str, to: str = "hf", model_only: bool | No
     raise ToolError(f"unknown export format {to!r}; use hf or torch")
 
 
-def _export_hf(st, md, out_path, entries, shard_bytes, config, num_threads, progress) -> dict:
+def _mapped_entries(st: Storage, md: CheckpointMetadata, mapping: str, config: str | None,
+                    cast: torch.dtype | None) -> tuple[Any, list[ExportEntry]]:
+    """The checkpoint seen through the declared mapping, and the Hugging Face tensors to write."""
+    from ..mapping import MappingError, megatron_to_hf
+    if mapping not in MAPPINGS:
+        raise ToolError(f"unknown mapping {mapping!r}; declared: {', '.join(MAPPINGS)}")
+    if not config:
+        raise ToolError("--mapping needs --config: the Hugging Face config.json (or its directory) of the model")
+    cfg_file = os.path.join(config, "config.json") if os.path.isdir(config) else config
+    try:
+        with open(cfg_file, "rb") as f:
+            cfg = json.loads(f.read())
+    except (OSError, ValueError) as e:
+        raise ToolError(f"cannot read the model config {cfg_file}: {e}") from None
+    if md.framework != "megatron":
+        raise ToolError(f"--mapping {mapping}: {st.root} was saved by {md.framework!r}, not by Megatron")
+    try:
+        m = megatron_to_hf(cfg)
+        mapped = m.bind(md, st, lambda fqn, tm: check_file_sizes(md, st.size, [(f"tensor {fqn!r}", tm.pieces)],
+                                                                 st.root), optimizer=False)
+    except MappingError as e:
+        raise ToolError(str(e)) from None
+    entries = []
+    for name in sorted(m.targets):
+        if name in m.weights_only:  # tied: from_pretrained ties it to the tensor it shares
+            continue
+        key = m.target_keys.weight_key(name)
+        tm = mapped.metadata.tensors[key]
+        out_dtype = cast if cast is not None and tm.dtype.is_floating_point else tm.dtype
+        entries.append(ExportEntry(name, key, tm, out_dtype))
+    return mapped, entries
+
+
+def _mapped_blocks(st: Storage, md: CheckpointMetadata, mapped, e: ExportEntry, num_threads: int):
+    """A mapped tensor in C order, as dim-0 blocks of ~64 MiB, each read from the source regions
+    behind it (and zero where no source covers it)."""
+    for offsets, lengths in row_blocks(tuple(e.tm.shape), element_size(e.tm.dtype), CHUNK_BYTES):
+        buf = torch.empty(lengths, dtype=e.tm.dtype)
+        read_all(st, md.files, md.checksum_block_bytes, mapped.box_read_items(e.fqn, Box(offsets, lengths, buf)),
+                 True, num_threads)
+        mapped.fill_zeros()
+        yield buf
+
+
+def _export_hf(st, md, out_path, entries, shard_bytes, config, num_threads, progress, mapped=None) -> dict:
     shards: list[list[ExportEntry]] = [[]]
     size = 0
     for e in entries:
@@ -163,7 +222,9 @@ def _export_hf(st, md, out_path, entries, shard_bytes, config, num_threads, prog
         try:
             writer.write(memoryview(_safetensors_header(shard)))
             for e in shard:
-                for block in read_blocks(st, md, e.fqn, e.tm, num_threads):
+                blocks = _mapped_blocks(st, md, mapped, e, num_threads) if mapped is not None else \
+                    read_blocks(st, md, e.fqn, e.tm, num_threads)
+                for block in blocks:
                     t, data = _cast_bytes(block, e.dtype)
                     writer.write(data)
                     bar.update(len(data))
