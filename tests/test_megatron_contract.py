@@ -288,7 +288,7 @@ def _case(reports, name):
     return out
 
 
-def _saved_values(world=WORLD):
+def _saved_values():
     return {"TenA": [0, 1], "TenB": [0, 1, 2], "TenC": [0, 1, 2], "ObjA": list(range(10))}
 
 
