@@ -6,15 +6,8 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import time
-import socket
 import traceback
 from datetime import timedelta
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stacks_file(port: int, rank: int) -> str:
@@ -22,12 +15,16 @@ def _stacks_file(port: int, rank: int) -> str:
     return os.path.join(tempfile.gettempdir(), f"bcp-test-stacks-{port}-{rank}.txt")
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+def _worker(rank, world_size, port, fn, args, queue, env, cwd):
     import faulthandler
     import signal
     import torch
     import torch.distributed as dist
 
+    # the caller's environment and directory as of this call (the fork server has its own)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
@@ -35,7 +32,11 @@ def _worker(rank, world_size, port, fn, args, queue):
     stacks = open(_stacks_file(port, rank), "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+        # the store is the parent's, as torchrun's agent hosts it: it outlives every rank, so a rank
+        # that ends first does not cut the others off mid-exchange
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=120))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=120))
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -45,12 +46,24 @@ def _worker(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
+def _context():
+    """Ranks are forked from a server that imported torch and bcp once: a rank starts in
+    milliseconds, not the seconds a fresh interpreter takes, and shares no state with pytest's
+    process (its threads, its S3 server) or with other ranks."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "bcp_core", "dist"])
+    return ctx
+
+
 def run_ranks(world_size: int, fn, *args, timeout: float = 180.0) -> list:
     """fn(rank, world_size, *args) on each rank; returns the results in rank order or raises."""
-    ctx = mp.get_context("spawn")
+    import torch.distributed as dist
+    ctx = _context()
     queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue))
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=120))
+    port = store.port
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, dict(os.environ), os.getcwd()))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -200,12 +213,33 @@ class Job:
         return self._out.read()
 
     def kill(self) -> None:
+        """SIGKILL torchrun and every process under it (its workers run in sessions of their own)."""
         import signal
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for pid in [self.proc.pid, *_descendants(self.proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.proc.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid`, from /proc (children first found, then theirs)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def bcp_verify(path: str) -> str:

@@ -160,10 +160,14 @@ def _small_state(step: int = 1):
     return model, optim
 
 
+class Opaque:
+    """A value bcp saves only with allow_pickle."""
+
+
 def test_inspect_verify_ls_never_unpickle(tmp_path, monkeypatch, capsys):
     model, optim = _small_state()
     root = str(tmp_path / "root")
-    bcp.save(root, {"model": model, "extra_state": {"opaque": {1, 2, 3}}}, step=1, allow_pickle=True).wait()
+    bcp.save(root, {"model": model, "extra_state": {"opaque": Opaque()}}, step=1, allow_pickle=True).wait()
 
     def refuse(*a, **k):
         raise AssertionError("a tool tried to unpickle")
@@ -346,9 +350,10 @@ def test_verify_checks_sharded_values(tmp_path, capsys):
     assert "FAULT [checksum]" in out and "sharded value 'dataloader.buf' index [0]" in out
 
 
-def test_streams_progress_on_stderr_and_json_on_stdout(tmp_path):
+def test_streams_progress_on_stderr_and_json_on_stdout(tmp_path, capsys):
     """Results go to stdout (one JSON document with --json), the tqdm progress bar to stderr; TQDM_DISABLE
-    and -q silence it; every command a script would parse answers --json."""
+    and -q silence it; every command a script would parse answers --json (checked in this process:
+    the command line's own process is exercised by the first three runs)."""
     root = tmp_path / "root"
     bcp.save(str(root), {"model": {"w": torch.arange(3 << 20, dtype=torch.float32)}}, step=5).wait()
 
@@ -369,7 +374,9 @@ def test_streams_progress_on_stderr_and_json_on_stdout(tmp_path):
               ("prune", "--keep-last", "1", "--dry-run"): lambda j: j == {"removed": [], "kept": ["step_00000005"],
                                                                         "dry_run": True, "failed": []},
               ("rename", "--rule", "^model\\.=net.", "--dry-run"): lambda j: j["renamed"] == {"model.w": "net.w"}}
+    capsys.readouterr()
     for args, check in checks.items():
-        out = run(args[0], str(root), *args[1:], "--json")
-        assert out.returncode == 0 and out.stderr == "", (args, out.stderr)
-        assert check(json.loads(out.stdout)), (args, out.stdout)
+        rc = cli.main([args[0], str(root), *args[1:], "--json"])
+        out = capsys.readouterr()
+        assert rc == 0 and out.err == "", (args, out.err)
+        assert check(json.loads(out.out)), (args, out.out)

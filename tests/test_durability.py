@@ -64,7 +64,8 @@ def _run(root, *args, env=None) -> tuple[int, str]:
     return job.finish(), job.output
 
 
-@pytest.mark.parametrize("end", ["script", "sys_exit", "exception", "destroy"])
+@pytest.mark.parametrize("end", ["script", pytest.param("sys_exit", marks=pytest.mark.slow), "exception",
+                                 pytest.param("destroy", marks=pytest.mark.slow)])
 def test_async_save_right_before_the_end_is_committed(tmp_path, end):
     rc, out = _run(tmp_path, "--end", end)
     assert rc == (1 if end == "exception" else 0), out[-4000:]
@@ -114,7 +115,7 @@ def _progress(root, rank) -> tuple[int, int]:
     return int(step), int(pid)
 
 
-@pytest.mark.parametrize("target", ["torchrun", "one_worker"])
+@pytest.mark.parametrize("target", ["torchrun", pytest.param("one_worker", marks=pytest.mark.slow)])
 def test_preemption_checkpoints_at_the_step_reached_and_resumes_exactly(tmp_path, uninterrupted, target):
     """SIGTERM mid-run (to torchrun, which forwards it to every worker, or to rank 1 only): every
     rank stops at one agreed step, that checkpoint commits, the workers exit 143, and a relaunch

@@ -79,6 +79,7 @@ def _run(root, *args, env: dict | None = None) -> tuple[int, str]:
     return job.finish(timeout=180), job.output
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("end", ["script", "end_training", "sys_exit", "exception"])
 def test_save_state_right_before_the_end_is_committed(tmp_path, end):
@@ -103,6 +104,7 @@ def _progress(root, rank) -> tuple[int, int]:
     return int(step), int(pid)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_preemption_saves_at_the_step_reached_and_resumes_exactly(tmp_path, uninterrupted):
     """SIGTERM to torchrun mid-run: both processes stop at one agreed step, save_state there

@@ -92,6 +92,7 @@ def finished(tmp_path_factory) -> str:
     return str(root)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("trainer,end", [("bcp", "script"), ("callback", "script"), ("bcp", "sys_exit"),
                                          ("callback", "exception")])
@@ -116,6 +117,7 @@ def _progress(root, rank) -> tuple[int, int]:
     return int(step), int(pid)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("trainer,target", [("bcp", "torchrun"), ("callback", "torchrun"), ("bcp", "one_worker")])
 def test_preemption_checkpoints_at_the_step_reached_and_resumes_exactly(tmp_path, finished, trainer, target):

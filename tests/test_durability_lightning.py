@@ -95,6 +95,7 @@ def finished(tmp_path_factory) -> str:
     return str(root)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("end", ["script", "sys_exit", "exception"])
 def test_save_right_before_the_end_is_committed(tmp_path, finished, end):
@@ -135,6 +136,7 @@ def _preempted(root: str, *args: str, signal_when, target: str) -> int:
     return reached[0]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_preemption_checkpoints_at_the_step_reached_and_resumes_exactly(tmp_path, finished):
     """SIGTERM twice, then a relaunch to the end, each time `fit(ckpt_path="hpc")`:

@@ -51,6 +51,7 @@ def _assert_same_state(a: dict, b: dict, rng: bool = True) -> None:
         assert torch.equal(a["rng"], b["rng"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_accelerate_save_load_state_across_num_processes(tmp_path):
     a, ckpt = tmp_path / "a", tmp_path / "state"
@@ -124,6 +125,7 @@ def test_accelerate_packed_token_loader_state_resharded_2_to_1(tmp_path):
     assert before + after == epoch  # nothing skipped, nothing repeated
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_stateful_dataloader_position_goes_through_bcp_loader_support(tmp_path):
     """use_stateful_dataloader=True, saved mid-epoch on 2 processes: the prepared loader's state is

@@ -52,6 +52,7 @@ def _assert_same_state(a: dict, b: dict) -> None:
     assert a["scheduler"] == b["scheduler"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_hf_trainer_save_resume_across_world_sizes_and_export(tmp_path):
     from transformers import LlamaForCausalLM

@@ -71,6 +71,7 @@ def _tensors(path) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_lightning_save_resume_across_world_sizes_and_strategies(tmp_path):
     a, n = tmp_path / "a", tmp_path / "n"

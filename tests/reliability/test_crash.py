@@ -53,7 +53,7 @@ def _save_then_die(rank, world_size, root, point, async_save, victim):
                 if relpath == target:
                     die()  # metadata committed, tracker not yet written
             storage.LocalStorage.write_atomic = atomic
-    h = bcp.save(root, _state(rank, 2), step=2, async_save=async_save, timeout=timedelta(seconds=5))
+    h = bcp.save(root, _state(rank, 2), step=2, async_save=async_save, timeout=timedelta(seconds=2))
     h.wait()
     return "survived"
 
