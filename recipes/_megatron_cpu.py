@@ -1,4 +1,6 @@
-"""Megatron-core's DDP, DistributedOptimizer and GPT forward on CPU (gloo), for tests only.
+"""Megatron-core's DDP, DistributedOptimizer and GPT forward on CPU (gloo): for the recipes and tests
+that run Megatron's real training components on a machine without a GPU (recipes/megatron_to_hf.py,
+tests/test_mapping_megatron.py). On a GPU machine do not use it.
 
 Megatron hard-codes CUDA in a few places even for CPU tensors: `device="cuda"` /
 `torch.cuda.current_device()` for its buffers, `Tensor.cuda()`, `Tensor.type()` compared with

@@ -1,6 +1,6 @@
 """A real Megatron-core GPTModel checkpoint loads into a Hugging Face LlamaForCausalLM, and back.
 
-One 2-rank job (gloo, Megatron's DDP and DistributedOptimizer under tests/megatron_cpu.py) builds a
+One 2-rank job (gloo, Megatron's DDP and DistributedOptimizer under recipes/_megatron_cpu.py) builds a
 tiny Llama-like GPTModel (local spec, RMSNorm, SwiGLU, GQA with 2 query groups for 4 heads, RoPE,
 no biases, vocabulary 100 padded to 128 * TP), trains it 2 steps at TP=2 (tied and untied
 embeddings), at PP=2 and at DP=2 (tied), and saves it through `("bcp", 1)` twice: with Megatron's
@@ -15,6 +15,7 @@ the tests assert on those reports.
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -23,7 +24,10 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from dist import run_ranks  # noqa: E402
+from dist import RECIPES, run_ranks  # noqa: E402
+
+if RECIPES not in sys.path:
+    sys.path.insert(0, RECIPES)  # recipes/_megatron_cpu.py: Megatron's DDP and DistributedOptimizer on CPU
 
 VOCAB, HIDDEN, HEADS, GROUPS, FFN, LAYERS, SEQ = 100, 32, 4, 2, 48, 2, 8
 CASES = {"tp2_untied": (2, 1, False), "tp2_tied": (2, 1, True), "pp2_untied": (1, 2, False),
@@ -187,7 +191,7 @@ def _megatron_to_hf(rank, world_size, root):
 
     import bcp_core as bcp
     from bcp_integrations.megatron import fully_reshardable_param_state  # registers ("bcp", 1)
-    from megatron_cpu import cuda_on_cpu
+    from _megatron_cpu import cuda_on_cpu
 
     results = {}
     for case, (tp, pp, tied) in CASES.items():
@@ -264,7 +268,7 @@ def _hf_to_megatron(root: str) -> dict:
     `BcpLoadShardedStrategy(mapping=...)` (PP=2); the optimizer state in the fully_reshardable layout."""
     import bcp_core as bcp
     import bcp_integrations.megatron as bm
-    from megatron_cpu import cuda_on_cpu
+    from _megatron_cpu import cuda_on_cpu
     from test_mapping import trained
 
     out = {}
