@@ -1,7 +1,7 @@
 """A 2-rank DDP training job on the plain bcp API, ended the ways real jobs end.
 
     torchrun --nproc_per_node 2 tests/jobs/plain_train.py --root DIR [--steps N] [--end HOW]
-        [--preemption] [--resume] [--step-delay S] [--fail-write] [--die-rank R]
+        [--preemption] [--resume] [--step-delay S] [--fail-write] [--die-rank R] [--timeout S]
 
 --end: how the process ends right after its last (asynchronous) save: "script" (falls off the
 end), "sys_exit" (sys.exit(0)), "exception" (an uncaught exception), "destroy" (destroys the
@@ -50,6 +50,7 @@ def main() -> None:
     p.add_argument("--step-delay", type=float, default=0.0)
     p.add_argument("--fail-write", action="store_true", help="inject ENOSPC into this job's data writes")
     p.add_argument("--die-rank", type=int, default=None, help="this rank exits at once after the save call")
+    p.add_argument("--timeout", type=float, default=10.0, help="each save's timeout, in seconds")
     p.add_argument("--mib", type=int, default=4, help="size of the extra state tensor")
     args = p.parse_args()
 
@@ -72,7 +73,7 @@ def main() -> None:
         def no_space(*a, **k):
             raise OSError(errno.ENOSPC, "No space left on device")
         storage.local._LocalWriter.write = no_space
-    timeout = timedelta(seconds=10)
+    timeout = timedelta(seconds=args.timeout)
 
     for step in range(start, args.steps):
         x, y = batch(step, rank)
