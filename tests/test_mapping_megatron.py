@@ -340,8 +340,9 @@ def _sharded_hf_target(wrap: str, path: str, ref: dict) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     # a collective load (shared reads, the metadata read once per node) after Megatron made and
     # destroyed its process groups
-    bcp.load(path, {"model": model, "optimizer": opt}, mapping=bcp.mapping.megatron_to_hf(hf.config),
-             share_reads=True)
+    # DDP: mapping="auto" (the checkpoint says Megatron saved it, the target is a Llama)
+    mapping = "auto" if wrap == "ddp" else bcp.mapping.megatron_to_hf(hf.config)
+    bcp.load(path, {"model": model, "optimizer": opt}, mapping=mapping, share_reads=True)
 
     def full(t):
         return t.full_tensor() if isinstance(t, DTensor) else t
@@ -492,3 +493,12 @@ def test_export_with_a_mapping_refuses_a_wrong_config(megatron_to_hf_run, tmp_pa
     with pytest.raises(ToolError, match=r"linear_qkv.weight' has shape \(2, 64, 32\).*declares \(2, 96, 32\)"):
         export_checkpoint(path, str(tmp_path / "out"), mapping="megatron-to-hf", config=str(config))
     assert not (tmp_path / "out").exists()
+
+
+def test_auto_mapping_into_megatron_is_refused(megatron_to_hf_run):
+    """Into Megatron, "auto" cannot pick: a sharded state dict does not say which family it is."""
+    import bcp_core as bcp
+    import bcp_integrations.megatron as bm
+    path = os.path.join(megatron_to_hf_run[0]["root"], "hf_tp2_untied")
+    with pytest.raises(bcp.MappingError, match="hf_to_megatron"):
+        bm.load({}, path, mapping="auto")

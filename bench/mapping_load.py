@@ -1,0 +1,177 @@
+"""A mapped load (Megatron-core layout -> Hugging Face Llama) against the same load without a mapping,
+and against converting offline with `bcp export --mapping` then loading with `from_pretrained`.
+
+    python bench/mapping_load.py [--hidden 512] [--layers 8] [--vocab 32000] [--dir /tmp/bcp_mapbench] [--repeat 2]
+
+Setup (not timed): a LlamaForCausalLM of the given size trains 2 AdamW steps and is saved by bcp
+(Hugging Face keys, `{"model", "optimizer"}`); the same state is then written in Megatron's layout
+(stacked layers, fused [q; k; v] per query group and [gate; up], vocabulary padded to 128, the
+DistributedOptimizer's fully_reshardable keys) through `bcp_integrations.megatron.save`: the two
+checkpoints hold the same numbers. Each measurement runs in a fresh process (its own peak RSS),
+the kinds alternated `--repeat` times, best time and lowest peak kept:
+
+- `mapped`: `bcp.load(megatron_ckpt, {"model", "optimizer"}, mapping=megatron_to_hf(config))`
+- `plain`: `bcp.load(hf_ckpt, {"model", "optimizer"})` (the same bytes, no mapping)
+- `mapped_weights`, `plain_weights`: the same with the model only
+- `export` + `from_pretrained`: `bcp export megatron_ckpt out --to hf --mapping megatron-to-hf`, then
+  `LlamaForCausalLM.from_pretrained(out)` (weights only: an HF directory has no optimizer state);
+  time summed, peak RSS the larger of the two processes.
+
+Only the load call (or the export, and from_pretrained) is timed, and the peak RSS is the
+process's high-water mark reset just before it (/proc/self/clear_refs), so it includes the model
+and optimizer state the call fills in (from_pretrained: the model it builds); imports and building
+the model and a fresh AdamW are not timed. Prints a JSON report with the ratios. No assertion: this is a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def config(args):
+    from transformers import LlamaConfig
+    return LlamaConfig(hidden_size=args.hidden, num_attention_heads=args.hidden // 64, num_key_value_heads=max(
+        1, args.hidden // 256), num_hidden_layers=args.layers, intermediate_size=args.hidden * 8 // 3 // 64 * 64,
+        vocab_size=args.vocab, max_position_embeddings=128, tie_word_embeddings=False)
+
+
+def setup(args) -> None:
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from transformers import LlamaForCausalLM
+
+    import bcp_core as bcp
+    import bcp_integrations.megatron as bm
+    cfg = config(args)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    hf = os.path.join(args.dir, "hf")
+    bcp.save(hf, {"model": model, "optimizer": opt}).wait()
+    cfg.to_json_file(os.path.join(args.dir, "config.json"))
+    # the same numbers in Megatron's layout, through the inverse mapping (a plain dict target)
+    inverse = bcp.mapping.hf_to_megatron(cfg, padded_vocab_size=128 * -(-cfg.vocab_size // 128))
+    md = inverse.bind(bcp.inspect(hf)).metadata
+    target = {k: torch.empty(tm.shape, dtype=tm.dtype) for k, tm in md.tensors.items()}
+    bcp.load(hf, target, mapping=inverse)
+    bm.save({k: ShardedTensor.from_rank_offsets(k, v, replica_id=0) for k, v in target.items()},
+            os.path.join(args.dir, "megatron")).wait()
+
+
+def reset_peak() -> None:
+    """Start this process's peak RSS (VmHWM) afresh: imports and the model built before the timed call
+    are the same for every kind and not what is compared."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def child(args) -> dict:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    import bcp_core as bcp
+    kind, d = args.child, args.dir
+    meg, hf = os.path.join(d, "megatron"), os.path.join(d, "hf")
+    out = os.path.join(d, "export")
+    if kind == "export":
+        from bcp_core.tools.convert import export_checkpoint
+        shutil.rmtree(out, ignore_errors=True)
+        reset_peak()
+        t = time.perf_counter()
+        export_checkpoint(meg, out, mapping="megatron-to-hf", config=os.path.join(d, "config.json"))
+        seconds = time.perf_counter() - t
+    elif kind == "from_pretrained":
+        reset_peak()
+        t = time.perf_counter()
+        LlamaForCausalLM.from_pretrained(out)
+        seconds = time.perf_counter() - t
+    else:
+        cfg = config(args)
+        model = LlamaForCausalLM(cfg)
+        state = {"model": model}
+        if not kind.endswith("_weights"):
+            state["optimizer"] = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        mapping = bcp.mapping.megatron_to_hf(cfg).with_step(2) if kind.startswith("mapped") else None
+        reset_peak()
+        t = time.perf_counter()
+        bcp.load(meg if mapping else hf, state, mapping=mapping)
+        seconds = time.perf_counter() - t
+    return {"seconds": seconds, "peak_rss_mib": peak_mib()}
+
+
+def run_child(args, kind: str) -> dict:
+    cmd = [sys.executable, __file__, "--child", kind, "--dir", args.dir, "--hidden", str(args.hidden),
+           "--layers", str(args.layers), "--vocab", str(args.vocab)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--dir", default="/tmp/bcp_mapbench")
+    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--child", default=None)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    shutil.rmtree(args.dir, ignore_errors=True)
+    os.makedirs(args.dir)
+    setup(args)
+    kinds = ["mapped", "plain", "mapped_weights", "plain_weights", "export", "from_pretrained"]
+    best: dict[str, dict] = {}
+    for _ in range(args.repeat):
+        for kind in kinds:
+            r = run_child(args, kind)
+            b = best.setdefault(kind, r)
+            b["seconds"], b["peak_rss_mib"] = min(b["seconds"], r["seconds"]), min(b["peak_rss_mib"],
+                                                                                    r["peak_rss_mib"])
+    offline = {"seconds": best["export"]["seconds"] + best["from_pretrained"]["seconds"],
+               "peak_rss_mib": max(best["export"]["peak_rss_mib"], best["from_pretrained"]["peak_rss_mib"])}
+    size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(os.path.join(args.dir, "megatron"))
+               for f in fs)
+    report = {"model": {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab,
+                        "checkpoint_mib": round(size / 2**20, 1)},
+              "runs": {k: {"seconds": round(v["seconds"], 3), "peak_rss_mib": round(v["peak_rss_mib"], 1)}
+                       for k, v in best.items()},
+              "ratios": {
+                  "mapped_over_plain_time": best["mapped"]["seconds"] / best["plain"]["seconds"],
+                  "mapped_over_plain_peak_rss": best["mapped"]["peak_rss_mib"] / best["plain"]["peak_rss_mib"],
+                  "mapped_weights_over_plain_weights_time":
+                      best["mapped_weights"]["seconds"] / best["plain_weights"]["seconds"],
+                  "mapped_weights_over_plain_weights_peak_rss":
+                      best["mapped_weights"]["peak_rss_mib"] / best["plain_weights"]["peak_rss_mib"],
+                  "mapped_weights_over_export_then_load_time": best["mapped_weights"]["seconds"] / offline["seconds"],
+                  "mapped_weights_over_export_then_load_peak_rss":
+                      best["mapped_weights"]["peak_rss_mib"] / offline["peak_rss_mib"]}}
+    report["ratios"] = {k: round(v, 3) for k, v in report["ratios"].items()}
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
