@@ -211,7 +211,9 @@ def _job(loop: str, system: str, root: str, a: dict) -> dict:
            "peak_rss_gib": rss, "steps": times, "wait_s": waits, "call_s": calls}
     if ckpt:
         # the checkpoint step: the step that holds the save call, or (after) the call + the next step
-        cost = [calls[i] + times[s + 1] for i, s in enumerate(ckpt)] if after else [times[s] for s in ckpt]
+        # (after: a checkpoint at the last step has no next step to count)
+        cost = [calls[i] + times[s + 1] for i, s in enumerate(ckpt) if s + 1 < steps] if after else \
+            [times[s] for s in ckpt]
         out["first_ckpt_step_s"] = cost[0]
         out["later_ckpt_step_s"] = sum(cost[1:]) / max(1, len(cost) - 1)
         nxt = [s + 2 if after else s + 1 for s in ckpt]

@@ -70,7 +70,8 @@ def _run(root, *args) -> tuple[int, str]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("end", ["finalize", *(pytest.param(e, marks=pytest.mark.slow) for e in ("script", "sys_exit", "exception"))])
+@pytest.mark.parametrize("end", ["finalize", *(pytest.param(e, marks=pytest.mark.slow)
+                                             for e in ("script", "sys_exit", "exception"))])
 def test_async_save_on_the_queue_right_before_the_end_is_committed(tmp_path, end):
     rc, out = _run(tmp_path, "--steps", str(STEPS), "--end", end)
     assert rc == (1 if end == "exception" else 0), out[-4000:]
