@@ -83,7 +83,10 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 180.0) -> list:
                 if dead:
                     # give the other ranks a moment to report their own (usually more telling) errors
                     end = time.monotonic() + 5
-                    while time.monotonic() < end and len(results) < world_size:
+
+                    def silent() -> set:  # ranks alive that have not reported yet
+                        return {r for r, p in enumerate(procs) if p.exitcode in (None, 0)} - set(results)
+                    while time.monotonic() < end and silent():
                         try:
                             rank, status, value = queue.get(timeout=0.5)
                             results[rank] = (status, value)
@@ -93,8 +96,12 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 180.0) -> list:
                     raise RuntimeError(f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}\n"
                                        + "\n".join(errors))
     finally:
+        # ranks that all succeeded exit at once; after a failure a survivor may sit in teardown
+        # waiting for a dead peer: it is not waited for long
+        failed = len(results) < world_size or any(status != "ok" for status, _ in results.values())
+        end = time.monotonic() + (2 if failed else 10)
         for p in procs:
-            p.join(timeout=10)
+            p.join(timeout=max(0.0, end - time.monotonic()))
             if os.path.exists(_stacks_file(port, procs.index(p))):
                 os.remove(_stacks_file(port, procs.index(p)))
             if p.is_alive():
