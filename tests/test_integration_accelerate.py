@@ -87,6 +87,7 @@ def test_accelerate_save_load_state_across_num_processes(tmp_path):
     assert sorted(_losses(tmp_path / "r1")) == list(range(5, 13))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_accelerate_one_process_checkpoint_resumes_on_two(tmp_path):
     """1 -> 2 processes: the job starts from the single process's exact state (a new rank gets rank

@@ -303,7 +303,7 @@ def _two_ranks(rank, world_size, root, s3_root):
     real_read_into = FsspecStorage.read_into
     if rank == 1:
         def stalled(self, relpath, offset, buf):
-            time.sleep(4)
+            time.sleep(2.5)  # past the 1.5 s timeout below
             return real_read_into(self, relpath, offset, buf)
         FsspecStorage.read_into = stalled
     try:
