@@ -150,8 +150,8 @@ def test_total_limit_rotates_after_the_commit_and_a_failed_save_leaves_the_previ
     root, ckpts = str(tmp_path), str(tmp_path / "checkpoints")
     args = ("--steps", str(STEPS), "--save-every", "2", "--total-limit", "1")
     with _watch_checkpoints(ckpts) as watch:
-        rc, out = _run(root, *args, env={"BCP_TEST_FAULT": "slow:rank=0:save=2:seconds=2,"
-                                                           "slow:rank=0:save=3:seconds=2,write:rank=1:save=4"})
+        rc, out = _run(root, *args, env={"BCP_TEST_FAULT": "slow:rank=0:save=2:seconds=1,"
+                                                           "slow:rank=0:save=3:seconds=1,write:rank=1:save=4"})
     assert rc != 0, out[-4000:]
     for rank in (0, 1):
         assert re.search(rf"bcp: rank {rank} exits with status 1: the asynchronous save to {re.escape(ckpts)}/"
@@ -164,7 +164,7 @@ def test_total_limit_rotates_after_the_commit_and_a_failed_save_leaves_the_previ
     shutil.copy(os.path.join(root, f"reference_{STEPS}.pt"), uninterrupted)
 
     with _watch_checkpoints(ckpts) as watch:
-        rc, out = _run(root, *args, "--resume-newest", env={"BCP_TEST_FAULT": "slow:rank=0:save=1:seconds=2"})
+        rc, out = _run(root, *args, "--resume-newest", env={"BCP_TEST_FAULT": "slow:rank=0:save=1:seconds=1"})
     assert rc == 0, out[-4000:]
     assert watch.violations == []
     resumed, saved = (torch.load(os.path.join(root, n), weights_only=True) for n in ("resumed.pt", "reference_6.pt"))

@@ -172,8 +172,8 @@ def test_save_total_limit_rotates_after_the_commit_and_a_failed_save_leaves_the_
         return CommittedWatch({"checkpoint-*": lambda: [os.path.join(root, n) for n in _checkpoints(root)]})
 
     with watch() as watching:
-        rc, out = _run(root, *args, env={"BCP_TEST_FAULT": "slow:rank=0:save=3:seconds=2,"
-                                                           "slow-commit:rank=0:save=3:seconds=2,write:rank=1:save=4"})
+        rc, out = _run(root, *args, env={"BCP_TEST_FAULT": "slow:rank=0:save=3:seconds=1,"
+                                                           "slow-commit:rank=0:save=3:seconds=1,write:rank=1:save=4"})
     assert rc != 0, out[-4000:]
     # (torchrun ends the other worker once one has failed: it may not get to print its error)
     assert re.search(rf"\[rank[01]\]: .*SaveError: save to {re.escape(root)}/checkpoint-16 failed and was not "
@@ -187,7 +187,7 @@ def test_save_total_limit_rotates_after_the_commit_and_a_failed_save_leaves_the_
         os.rename(path, first / os.path.basename(path))
 
     with watch() as watching:
-        rc, out = _run(root, *args, "--resume", env={"BCP_TEST_FAULT": "slow:rank=0:save=1:seconds=2"})
+        rc, out = _run(root, *args, "--resume", env={"BCP_TEST_FAULT": "slow:rank=0:save=1:seconds=1"})
     assert rc == 0, out[-4000:]
     assert watching.violations == []
     assert sorted(n for n in os.listdir(root) if n.startswith("reference_")) == \

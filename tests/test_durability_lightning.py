@@ -196,8 +196,8 @@ def test_rotation_waits_for_the_commit_and_a_failed_save_leaves_the_previous_che
     args = ("--steps", str(STEPS), "--top-k", "1", "--save-last")
     # saves 1-8: step=4.ckpt, last.ckpt, step=8.ckpt, last.ckpt, step=12.ckpt, last.ckpt, in_fit.ckpt, step=16.ckpt
     with _watch_mc(mc) as watch:
-        rc, out = _run(root, *args, env={"BCP_TEST_FAULT": "slow:rank=0:save=3:seconds=2,"
-                                                           "slow:rank=0:save=4:seconds=2,write:rank=1:save=8"})
+        rc, out = _run(root, *args, env={"BCP_TEST_FAULT": "slow:rank=0:save=3:seconds=1,"
+                                                           "slow:rank=0:save=4:seconds=1,write:rank=1:save=8"})
     assert rc != 0, out[-4000:]
     # (torchrun ends the other worker once one has failed: it may not get to print its error)
     assert re.search(rf"\[rank[01]\]: .*SaveError: save to {re.escape(mc)}/step=16.ckpt\S* failed and was not "
@@ -212,7 +212,7 @@ def test_rotation_waits_for_the_commit_and_a_failed_save_leaves_the_previous_che
     # saves 1-3 at step 16: in_fit.ckpt, step=16.ckpt, last.ckpt
     with _watch_mc(mc) as watch:
         rc, out = _run(root, *args, "--resume", "last", env={
-            "BCP_TEST_FAULT": "slow:rank=0:save=2:seconds=2,slow:rank=0:save=3:seconds=2,commit:rank=1:save=2"})
+            "BCP_TEST_FAULT": "slow:rank=0:save=2:seconds=1,slow:rank=0:save=3:seconds=1,commit:rank=1:save=2"})
     assert rc == 0, out[-4000:]
     assert re.search(rf"bcp: {re.escape(mc)}/step=16.ckpt\S* was committed, but on_commit raised on rank 1", out)
     assert f"Restoring states from the checkpoint path at {mc}/last.ckpt" in out
