@@ -31,6 +31,7 @@ one at a time in submission order; so they run in the same order on every rank.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import secrets
@@ -52,7 +53,7 @@ from .engine import WriteItem, write_items
 from .errors import BCPError, CommitCallbackError, CommTimeoutError, MetadataError, PreviousSaveError, SaveError
 from .flatten import save_leaves
 from .layout import BCP_STEPS, write_tracker
-from .metadata import CHECKSUM_BLOCK_BYTES, METADATA_FILE, dtype_name
+from .metadata import CHECKSUM_BLOCK_BYTES, FAILED_FILE, METADATA_FILE, dtype_name
 from .save_planner import (Assignment, Committed, GlobalSavePlan, LocalSavePlan, ObjectShardKey, PlanReply,
                            PlanRequest, RankValueKey, ResendStructure, SaveFailed, SaveId, TensorBoxKey,
                            UseCachedPlan, WriteReport, build_metadata, failed_report, global_save_plan,
@@ -498,8 +499,17 @@ class Checkpointer:
         return future
 
     def _run(self, comm: Comm, job: SaveJob) -> str:
-        """Agree on the plan, write this rank's pieces, commit. Every rank reaches the commit
-        exchange once the plan is agreed, whatever fails on it in between."""
+        """Agree on the plan, write this rank's pieces, commit; a save that failed is marked so."""
+        try:
+            return self._plan_write_commit(comm, job)
+        except SaveError as e:  # raised by a round: this save failed on every rank
+            if comm.is_coordinator and job.step_phase != "committed" and job.ckpt is not None:
+                _mark_failed(job, e)
+            raise
+
+    def _plan_write_commit(self, comm: Comm, job: SaveJob) -> str:
+        """Every rank reaches the commit exchange once the plan is agreed, whatever fails on it in
+        between."""
         op = f"s{job.save.number}"
         try:
             job.step_phase = "planning"
@@ -755,9 +765,23 @@ def _tensor_digest(t: torch.Tensor) -> str:
 
 
 def _invalidate(ckpt: Storage) -> None:
-    """An older checkpoint at this path must never pass for this one: drop its metadata first."""
-    if ckpt.exists(METADATA_FILE):
-        ckpt.remove(METADATA_FILE)
+    """An older checkpoint at this path must never pass for this one: drop its metadata first (and
+    an earlier failed save's mark: this save is in progress)."""
+    for name in (METADATA_FILE, FAILED_FILE):
+        if ckpt.exists(name):
+            ckpt.remove(name)
+
+
+def _mark_failed(job: SaveJob, error: SaveError) -> None:
+    """Coordinator, once a save failed on every rank: FAILED_FILE in its directory says so, with the
+    error, so that `bcp ls`, a load and the next save's clean-up know it for a failed save rather than
+    one in progress. Failures are logged: the save's own error is what the caller needs."""
+    text = json.dumps({"save": str(job.save), "error": str(error)}, indent=1)
+    try:
+        if not job.ckpt.exists(METADATA_FILE):
+            job.ckpt.write_atomic(FAILED_FILE, text.encode())
+    except Exception as e:  # noqa: BLE001 - see above
+        log.warning("bcp: could not mark the failed %s as failed: %s", job.what, e)
 
 
 def _remove_stale_files(ckpt: Storage, md, token: str) -> None:

@@ -15,6 +15,7 @@ its target, and nothing is followed through one.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -23,9 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .errors import BCPError, IncompleteCheckpointError, NotACheckpointError
-from .metadata import METADATA_FILE, TRACKER_FILE
+from .metadata import FAILED_FILE, METADATA_FILE, TRACKER_FILE
 from .storage import Storage, storage_for
-from .storage.base import REMOTE_THREADS, parse_temp_name, temp_writer_gone
+from .storage.base import REMOTE_THREADS, parse_temp_name, temp_writer_gone, this_host
 
 log = logging.getLogger("bcp")
 
@@ -113,6 +114,9 @@ def resolve(path: str | os.PathLike, naming: StepNaming = BCP_STEPS) -> Storage:
     if incomplete:
         raise IncompleteCheckpointError(f"{st.root}: no complete checkpoint; incomplete (never committed): "
                                         f"{', '.join(reversed(incomplete))}")
+    if st.exists(FAILED_FILE):
+        raise IncompleteCheckpointError(f"{st.root} holds no {METADATA_FILE}: its save failed and was not "
+                                        f"committed ({_failure(st)})")
     if st.exists("data"):
         raise IncompleteCheckpointError(f"{st.root} holds data files but no {METADATA_FILE}: the save that "
                                         "wrote it never committed")
@@ -121,6 +125,15 @@ def resolve(path: str | os.PathLike, naming: StepNaming = BCP_STEPS) -> Storage:
         raise IncompleteCheckpointError(f"{st.root} holds no {METADATA_FILE}: the save of this step never "
                                         "committed")
     raise NotACheckpointError(f"{st.root} is not a bcp checkpoint (no {METADATA_FILE}, no {TRACKER_FILE})")
+
+
+def _failure(st: Storage) -> str:
+    """What FAILED_FILE says of the failed save (its text is not trusted: only shown, shortened)."""
+    try:
+        mark = json.loads(st.read_bytes(FAILED_FILE))
+        return f"{mark['save']}: {mark['error']}"[:2000]
+    except Exception as e:  # noqa: BLE001 - a damaged mark still says the save failed
+        return f"{FAILED_FILE} unreadable: {e}"
 
 
 def latest_complete(root: str | os.PathLike, naming: StepNaming = BCP_STEPS) -> str | None:
@@ -162,7 +175,8 @@ def prune(root: str | os.PathLike | Storage, keep_last: int, keep_every: int | N
           naming: StepNaming = BCP_STEPS, dry_run: bool = False) -> Removal:
     """Remove complete checkpoints except the newest `keep_last`, those whose step is a multiple of
     `keep_every`, the one the tracker names and the one `load(root)` uses; and incomplete ones older
-    than the latest (failed saves; newer ones may be saves in progress). Works on every storage.
+    than the latest that no save is writing any more (`_abandoned`: failed saves; newer ones, and
+    older ones still being written, may be saves in progress). Works on every storage.
 
     A checkpoint's metadata goes first, so an interrupted removal leaves an incomplete checkpoint,
     never one that looks complete. A failure to remove one is reported in `failed`, and the others
@@ -179,8 +193,9 @@ def prune(root: str | os.PathLike | Storage, keep_last: int, keep_every: int | N
     keep = {e.name for e in complete[-keep_last:]} | {e.name for e in entries if e.tracker or e.latest}
     if keep_every:
         keep |= {e.name for e in complete if e.step % keep_every == 0}
+    now = time.time()
     doomed = [e for e in entries if e.name not in keep
-              and (e.complete or (latest is not None and e.step < latest.step))]
+              and (e.complete or (latest is not None and e.step < latest.step and _abandoned(st, e.name, now)))]
     kept = tuple(e.name for e in entries if e not in doomed)
     if dry_run:
         return Removal(tuple(e.name for e in doomed), kept, ())
@@ -191,18 +206,21 @@ def prune(root: str | os.PathLike | Storage, keep_last: int, keep_every: int | N
 def remove_leftovers(root: str | os.PathLike | Storage, committed: str, naming: StepNaming = BCP_STEPS) -> Removal:
     """After `committed` (a step directory's name) was committed under `root`: remove what failed or
     crashed saves left behind. That is step directories without metadata whose step is older than
-    the committed one (never a newer one: it may be a save in progress), and stale temporary files
-    (`storage.base.temp_name`) in the root, the committed directory and its `data/`: written by a
-    process of this host that has ended, or not written to for STALE_TEMP_SECONDS.
+    the committed one (never a newer one: it may be a save in progress) and that no save writes any
+    more (`_abandoned`: another job may be saving an older step to the same root right now); and
+    stale temporary files (`storage.base.temp_name`) in the root, the committed directory and its
+    `data/`: written by a process of this host that has ended, or not written to for
+    STALE_TEMP_SECONDS.
     """
     step = naming.step_of(committed)
     if step is None:
         raise ValueError(f"{committed!r} is not a step directory name ({naming.template})")
     st = _storage(root)
     tracker = read_tracker(st)
-    entries = [e for e in list_checkpoints(st, naming) if e.name]
-    failed_saves = [e.name for e in entries if not e.complete and e.step < step and e.name != tracker]
     now = time.time()
+    entries = [e for e in list_checkpoints(st, naming) if e.name]
+    failed_saves = [e.name for e in entries if not e.complete and e.step < step and e.name != tracker
+                    and _abandoned(st, e.name, now)]
     temps = []
     for where in ("", committed, f"{committed}/data"):
         for name in st.listdir(where):
@@ -211,6 +229,34 @@ def remove_leftovers(root: str | os.PathLike | Storage, committed: str, naming: 
                 temps.append(rel)
     removed, failed = _remove_each(st, [(name, False) for name in failed_saves + temps])
     return Removal(removed, tuple(e.name for e in entries if e.name not in failed_saves), failed)
+
+
+def _abandoned(st: Storage, name: str, now: float) -> bool:
+    """Whether no save writes the incomplete step directory `name` any more: its save failed on every
+    rank (FAILED_FILE), or one of its temporary files belongs to a process of this host that has
+    ended (a writer died: its save cannot commit), or, with no writer of this host still running,
+    none of its files (or, holding none, the directory) was written for STALE_TEMP_SECONDS (a save
+    in progress writes its files under temporary names and they are fresh until it commits; this
+    also finds a checkpoint whose removal stopped after its metadata). A time the storage cannot
+    tell keeps the directory. A symbolic link is no save's (saves create directories): it goes, as
+    a link."""
+    if st.is_link(name) or st.exists(f"{name}/{FAILED_FILE}"):
+        return True
+    files, dirs, dead_writer = [], [name], False
+    for where in (name, f"{name}/data"):
+        for entry in st.listdir(where):
+            rel = f"{where}/{entry}"
+            temp = parse_temp_name(entry)
+            if temp is not None and temp_writer_gone(temp):
+                dead_writer = True
+            elif temp is not None and temp.host == this_host():
+                return False  # its writer still runs
+            else:
+                (dirs if rel == f"{name}/data" else files).append(rel)
+    if dead_writer:
+        return True
+    times = [st.modified(rel) for rel in (files or dirs)]
+    return None not in times and now - max(times) > STALE_TEMP_SECONDS
 
 
 def _stale_temp(st: Storage, relpath: str, name: str, now: float) -> bool:

@@ -25,6 +25,7 @@ FORMAT_NAME = "bcp"
 FORMAT_VERSION = 1
 METADATA_FILE = "bcp_metadata.json"
 TRACKER_FILE = "latest"
+FAILED_FILE = "bcp_failed.json"  # in a checkpoint directory whose save failed on every rank (docs/format.md)
 CHECKSUM_BLOCK_BYTES = 4 << 20
 CHECKSUM_ALGORITHM = "xxh3_64"
 

@@ -12,6 +12,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -274,6 +275,9 @@ def test_ls_latest_prune(tmp_path, capsys):
     for step in range(1, 7):
         bcp.save(str(root), {"model": model}, step=step).wait()
     (root / "step_00000003" / "bcp_metadata.json").unlink()   # an old save that never committed
+    hours_ago = time.time() - 2 * 3600
+    for f in [*(root / "step_00000003").iterdir(), *(root / "step_00000003" / "data").iterdir()]:
+        os.utime(f, (hours_ago, hours_ago))                    # (long ago: not a save in progress)
     (root / "step_00000007" / "data").mkdir(parents=True)     # a save in progress
     assert _bcp("ls", str(root), "--json") == 0
     listing = json.loads(capsys.readouterr().out)
@@ -301,6 +305,8 @@ def test_prune_names_what_it_could_not_delete_and_exits_1(tmp_path, capsys):
     for step in (1, 2, 3):
         bcp.save(str(root), {"model": model}, step=step).wait()
     stuck = next((root / "step_00000001" / "data").iterdir())
+    for f in [*(root / "step_00000001").iterdir(), *(root / "step_00000001" / "data").iterdir()]:
+        os.utime(f, (time.time() - 2 * 3600,) * 2)  # an old checkpoint, as those pruned are
     if os.geteuid() == 0:  # root ignores permissions: make the file immutable
         if subprocess.run(["chattr", "+i", str(stuck)], capture_output=True).returncode != 0:
             pytest.skip("needs chattr +i (root ignores permissions)")
@@ -313,6 +319,7 @@ def test_prune_names_what_it_could_not_delete_and_exits_1(tmp_path, capsys):
         out = capsys.readouterr()
         assert out.out.strip() == "removed: step_00000002; kept: step_00000003"
         assert out.err.startswith("bcp prune: could not remove step_00000001: ") and str(stuck) in out.err, out.err
+        # half removed, it keeps its old files: the next prune tries it again
         assert _bcp("prune", str(root), "--keep-last", "1", "--json") == 1
         [failed] = json.loads(capsys.readouterr().out)["failed"]
         assert failed["name"] == "step_00000001" and str(stuck) in failed["error"]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 import threading
 import uuid
 
@@ -365,6 +367,16 @@ def test_prune_and_leftovers_on_s3(s3, small_io):
         assert st.listdir() == ["latest", "step_00000002", "step_00000004", "step_00000005"]
         assert st.listdir("step_00000001") == [] and st.listdir("step_00000003") == []
         assert layout.remove_leftovers(root, "step_00000004").removed == ()  # step 5 may be a save in progress
+        # older than the next commit but written just now: another job's save in progress
+        assert layout.remove_leftovers(root, "step_00000006").removed == ()
+        # a process of this host that died while writing it: a leftover
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        st.write_atomic(f"step_00000005/data/r0.safetensors.bcp-tmp.{bst.base.this_host()}.{dead}.0123abcd", b"x")
+        assert layout.remove_leftovers(root, "step_00000006").removed == ("step_00000005",)
+        # a save that failed on every rank (marked so by its coordinator) goes at once
+        st.write_atomic("step_00000005/data/partial.safetensors", b"never committed")
+        st.write_atomic("step_00000005/bcp_failed.json", b"{}")
         assert layout.remove_leftovers(root, "step_00000006").removed == ("step_00000005",)
         target = {"w": torch.zeros(8)}
         bcp.load(root, target)

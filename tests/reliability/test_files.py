@@ -6,11 +6,13 @@ leftovers of failed saves removed by the next successful save.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -219,6 +221,11 @@ def test_prune_reports_what_it_could_not_delete_and_keeps_the_tracker(tmp_path):
     assert sorted(os.listdir(root)) == ["latest", "step_00000002", "step_00000004", "step_00000005"]
     assert not (root / "step_00000002" / "bcp_metadata.json").exists()  # metadata first: never half a checkpoint
     assert _loaded(root) == 5.0
+    # without its metadata, a fresh checkpoint could be a save in progress; a pruned one is old
+    assert layout.prune(str(root), keep_last=1).removed == ()
+    hours_ago = time.time() - 2 * 3600
+    for f in (root / "step_00000002" / "data").iterdir():
+        os.utime(f, (hours_ago, hours_ago))
     assert layout.prune(str(root), keep_last=1).removed == ("step_00000002",)
 
 
@@ -231,6 +238,11 @@ def test_prune_on_memory_storage_with_hf_naming(tmp_path, monkeypatch):
     result = layout.prune(root, keep_last=2, naming=layout.HF_STEPS)
     assert result == layout.Removal(("checkpoint-10",), ("checkpoint-20", "checkpoint-30", "checkpoint-40"), ())
     assert sorted(os.listdir(tmp_path / "bcp-memory" / "hf-run")) == ["checkpoint-20", "checkpoint-30", "checkpoint-40"]
+    # older than the next commit, but written just now: perhaps another job's save in progress
+    assert layout.remove_leftovers(root, "checkpoint-50", naming=layout.HF_STEPS).removed == ()
+    hours_ago = time.time() - 2 * 3600
+    for d in ("checkpoint-40", "checkpoint-40/data"):
+        os.utime(tmp_path / "bcp-memory" / "hf-run" / d, (hours_ago, hours_ago))
     assert layout.remove_leftovers(root, "checkpoint-50", naming=layout.HF_STEPS).removed == ("checkpoint-40",)
 
 
@@ -307,3 +319,33 @@ def test_next_save_removes_leftovers_of_failed_saves(tmp_path):
     assert (outside / "data" / "f").read_bytes() == b"1"
     assert (root / "latest").read_text() == "step_00000004" and _loaded(root) == 4.0
     assert _loaded(root / "step_00000002") == 2.0
+
+
+def test_own_failed_save_goes_at_the_next_commit_another_jobs_save_in_progress_stays(tmp_path, monkeypatch):
+    """A failed save leaves its directory marked failed (bcp_failed.json, naming the save and the
+    error): the next commit removes it. A directory of an older step that another job is writing right
+    now (fresh, no temporary file of a dead writer, no mark) stays: removing it would fail that job's
+    save."""
+    from bcp_core.storage import local
+    root = tmp_path / "root"
+    _save(root, 1)
+    real_open = local.LocalStorage.open_writer
+
+    def failing(self, relpath):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(local.LocalStorage, "open_writer", failing)
+    with pytest.raises(bcp.SaveError, match="No space left"):
+        _save(root, 3)
+    monkeypatch.setattr(local.LocalStorage, "open_writer", real_open)
+    assert not (root / "step_00000003" / "bcp_metadata.json").exists()
+    mark = json.loads((root / "step_00000003" / "bcp_failed.json").read_text())
+    assert "step 3" in mark["save"] and "No space left" in mark["error"], mark
+    with pytest.raises(bcp.IncompleteCheckpointError, match="its save failed.*No space left"):
+        bcp.load(str(root / "step_00000003"), {"w": torch.zeros(16), "b": torch.zeros(4)})
+    (root / "step_00000002" / "data").mkdir(parents=True)  # another job's save of step 2, under way
+    (root / "step_00000002" / "data" / "f00dbabe-1-r0_0.safetensors").write_bytes(b"written just now")
+    _save(root, 4)
+    assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == [
+        "step_00000001", "step_00000002", "step_00000004"]
+    assert _loaded(root) == 4.0
