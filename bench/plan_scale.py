@@ -43,7 +43,7 @@ from bcp_core.load_planner import box_read_items
 from bcp_core.loader import read_metadata
 from bcp_core.metadata import CHECKSUM_BLOCK_BYTES, METADATA_FILE, num_blocks
 from bcp_core.save_planner import (ObjectShardKey, PlanRequest, RankValueKey, SaveId, SaveStructure, TensorBoxKey,
-                                   WriteReport, build_metadata, global_save_plan, plan_replies)
+                                   TensorEntry, WriteReport, build_metadata, global_save_plan, plan_replies)
 from bcp_core.shards import Box, range_boxes
 from bcp_core.storage import storage_for
 from bcp_core.utils import gc_paused
@@ -97,7 +97,7 @@ def rank_structure(stage_params, tp, dp, t, d, zero):
     opt_boxes: dict[str, list] = {}
     shards = [(fqn, shape) + tp_shard(shape, tp_dim, tp, t) for fqn, shape, tp_dim in stage_params]
     for fqn, shape, offs, lens in shards:
-        tensors.append([f"model.{fqn}", "bfloat16", list(shape), [[list(offs), list(lens)]]])
+        tensors.append(TensorEntry(f"model.{fqn}", "bfloat16", list(shape), [[list(offs), list(lens)]]).text())
     if zero == "bucket":  # one flat buffer of the stage's local shards, split evenly over DP
         total = sum(math.prod(s[3]) for s in shards)
         lo, hi = total * d // dp, total * (d + 1) // dp
@@ -117,7 +117,7 @@ def rank_structure(stage_params, tp, dp, t, d, zero):
     by_fqn = {fqn: shape for fqn, shape, _, _ in shards}
     for fqn, boxes in opt_boxes.items():
         for state in OPT_STATES:
-            tensors.append([f"optimizer.state.{fqn}.{state}", "float32", list(by_fqn[fqn]), boxes])
+            tensors.append(TensorEntry(f"optimizer.state.{fqn}.{state}", "float32", list(by_fqn[fqn]), boxes).text())
     return SaveStructure(tuple(tensors), ("optimizer.param_groups", "iteration", "args", "checkpoint_version"),
                          (("extra_state.rng", None, None), ("extra_state.cuda_rng", "uint8", [16])),
                          (("dataloader.rank", [dp], [d]),))
@@ -138,7 +138,7 @@ def fake_reports(structures, gplan, rng, tp, dp):
         pieces, pos = [], 0
         file = f"data/r{r}_0.safetensors"
         for ti, bi in gplan.assignments[r].boxes:
-            fqn, dt, _, boxes = st.tensors[ti]
+            fqn, dt, _, boxes = TensorEntry.parse(st.tensors[ti])
             offs, lens = boxes[bi]
             nbytes = math.prod(lens) * (2 if dt == "bfloat16" else 4)
             sums = tuple(rng.getrandbits(64) for _ in range(num_blocks(nbytes, CHECKSUM_BLOCK_BYTES)))
@@ -203,7 +203,8 @@ def main(argv=None) -> dict:
         messages.append(json.dumps(codec.to_wire(request), separators=(",", ":")).encode())
     out["build_messages_s"] = time.perf_counter() - t0
     out["gathered_mib"] = sum(map(len, messages)) / 2**20
-    out["boxes"] = sum(len(b[3]) for m in messages[:1] for b in codec.from_wire(json.loads(m)).structure.tensors)
+    out["boxes"] = sum(len(TensorEntry.parse(t).boxes) for m in messages[:1]
+                       for t in codec.from_wire(json.loads(m)).structure.tensors)
 
     # The cached-plan path: a rank whose structure is unchanged hashes it, finds the plan, and
     # sends nothing (the cost of one rank: its structure's encoding and digest, then a lookup).
@@ -284,7 +285,7 @@ def main(argv=None) -> dict:
     load_dp = world // (a.load_tp * a.load_pp)
     target = rank_structure(lstages[0], a.load_tp, load_dp, 0, 0, a.zero)
     items = 0
-    for fqn, _, _, boxes in target.tensors:
+    for fqn, _, _, boxes in map(TensorEntry.parse, target.tensors):
         tm = md.tensors[fqn]
         for offs, lens in boxes:
             view = torch.empty(lens, dtype=tm.dtype, device="meta")

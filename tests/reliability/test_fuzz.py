@@ -34,7 +34,7 @@ from bcp_core import codec, shards
 from bcp_core.engine import WrittenPiece
 from bcp_core.metadata import METADATA_FILE, ObjectValue, check_file_sizes, parse_json
 from bcp_core.save_planner import (Assignment, ObjectShardKey, PlanReply, PlanRequest, RankValueKey, SaveId,
-                                   SaveStructure, TensorBoxKey, WriteReport, global_save_plan)
+                                   SaveStructure, TensorBoxKey, TensorEntry, WriteReport, global_save_plan)
 from bcp_core.shards import Box, ObjectShard, ShardedView
 
 pytestmark = pytest.mark.timeout(300)
@@ -114,7 +114,8 @@ def plan(shape, boxes, ranks: list[int]):
     held: list[list] = [[] for _ in range(max(ranks, default=0) + 1)]
     for (off, ln), r in zip(boxes, ranks):
         held[r].append([list(off), list(ln)])
-    return global_save_plan([SaveStructure((("t", "float32", list(shape), b),), (), (), ()) for b in held])
+    return global_save_plan([SaveStructure((TensorEntry("t", "float32", list(shape), b).text(),), (), (), ())
+                             for b in held])
 
 
 def metadata(shape, boxes) -> bytes:
@@ -352,7 +353,7 @@ def test_mutated_values_decode_or_give_bcp_errors(value, data):
 SAVE = SaveId(4, 10, "/ckpt/step_10")
 RECORDS = [
     (PlanRequest(SAVE, "k", None, SaveStructure(
-        (("w", "float32", [4, 2], [[[0, 0], [2, 2]]]),), ("cfg",), (("extra_state.rng", "uint8", [8]),),
+        (TensorEntry("w", "float32", [4, 2], [[[0, 0], [2, 2]]]).text(),), ("cfg",), (("extra_state.rng", "uint8", [8]),),
         (("loader.buf", [2], [1]),)), ((0, 0),)), PlanRequest),
     (PlanReply(SAVE, Assignment(((0, 0), (1, 2)), (0,)), "tok", "plan1"), PlanReply),
     (WriteReport(SAVE, "k", {"cfg": {"lr": 0.1}}, {"extra_state.rng": ["uint8", [8], "00"]}, ("d1",), {"cfg": "d"},

@@ -21,7 +21,7 @@ import torch
 import bcp_core as bcp
 from bcp_core import codec
 from bcp_core.metadata import METADATA_FILE, num_blocks
-from bcp_core.save_planner import PlanRequest, SaveId, SaveStructure, global_save_plan
+from bcp_core.save_planner import PlanRequest, SaveId, SaveStructure, TensorEntry, global_save_plan
 from bcp_core.shards import Box, ObjectShard, ShardedView
 from bcp_core.storage import LocalStorage, storage_for
 from bcp_core.tools.verify import verify_checkpoint
@@ -87,7 +87,7 @@ def test_boxes_outside_the_shape_are_refused_when_planning():
     """Rank 1's box ends past the tensor while covering as many elements as the gap it leaves: the
     element count matched, so the planner accepted it before."""
     def structure(offsets, lengths):
-        return SaveStructure((("w", "float32", [4], [[offsets, lengths]]),), (), (), ())
+        return SaveStructure((TensorEntry("w", "float32", [4], [[offsets, lengths]]).text(),), (), (), ())
     with pytest.raises(bcp.PlanError, match=r"tensor 'w' of shape \(4,\): boxes offsets \[3\] lengths \[2\] "
                                             r"\(ranks \[1\]\) lies outside shape \(4,\)"):
         global_save_plan([structure([0], [2]), structure([3], [2])])
