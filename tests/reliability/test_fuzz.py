@@ -353,8 +353,8 @@ def test_mutated_values_decode_or_give_bcp_errors(value, data):
 SAVE = SaveId(4, 10, "/ckpt/step_10")
 RECORDS = [
     (PlanRequest(SAVE, "k", None, SaveStructure(
-        (TensorEntry("w", "float32", [4, 2], [[[0, 0], [2, 2]]]).text(),), ("cfg",), (("extra_state.rng", "uint8", [8]),),
-        (("loader.buf", [2], [1]),)), ((0, 0),)), PlanRequest),
+        (TensorEntry("w", "float32", [4, 2], [[[0, 0], [2, 2]]]).text(),), ("cfg",),
+        (("extra_state.rng", "uint8", [8]),), (("loader.buf", [2], [1]),)), ((0, 0),)), PlanRequest),
     (PlanReply(SAVE, Assignment(((0, 0), (1, 2)), (0,)), "tok", "plan1"), PlanReply),
     (WriteReport(SAVE, "k", {"cfg": {"lr": 0.1}}, {"extra_state.rng": ["uint8", [8], "00"]}, ("d1",), {"cfg": "d"},
                  (WrittenPiece(TensorBoxKey("w", (0, 0), (2, 2)), "data/a.safetensors", 128, 16, (1, 2)),
