@@ -94,6 +94,23 @@ def test_boxes_outside_the_shape_are_refused_when_planning():
     assert global_save_plan([structure([0], [2]), structure([2], [2]), structure([2], [2])]).bytes_per_rank == [8, 8, 0]
 
 
+@pytest.mark.parametrize("text", [
+    '["w","float32",[4],[[[0],[2.5]]]]',            # not an integer
+    '["w","float32",[4],[[[-1],[2]]]]',             # negative
+    '["w","float32",[4],[[[[0]],[2]]]]',            # nested too deep
+    '["w","float32",[4],[[[0],[4]]],[1]]',          # a fifth field
+    '["w",7,[4],[[[0],[4]]]]',                      # dtype not a string
+    '["w","float32",[4],[[[0],[4]]]',               # cut short
+    '{"w":1}', "", 7])
+def test_malformed_tensor_entries_are_refused_when_planning(text):
+    """Entries travel as JSON text and only the distinct ones are parsed: every malformed one, alone or
+    beside well-formed ones, is a PlanError naming it, never another exception or a wrong plan."""
+    good = TensorEntry("v", "float32", [2], [[[0], [2]]]).text()
+    for tensors in ((text,), (good, text)):
+        with pytest.raises(bcp.PlanError, match="malformed tensor entry"):
+            global_save_plan([SaveStructure(tensors, (), (), ()), SaveStructure((good,), (), (), ())])
+
+
 def test_a_per_rank_tensor_is_one_whole_piece(ck):
     def split(raw):
         tm = raw["per_rank"]["extra_state.rng"]["variants"][0]["tensor"]
