@@ -60,6 +60,11 @@ def megatron_layout(sd: dict, cfg, padded: int = PADDED, prefix: str = "") -> di
            "decoder.final_layernorm.weight": sd["model.norm.weight"]}
     if not cfg.tie_word_embeddings:
         out["output_layer.weight"] = pad(sd["lm_head.weight"])
+    if "model.layers.0.self_attn.q_proj.bias" in sd:  # Qwen2: q/k/v biases, ordered like the rows
+        out["decoder.layers.self_attention.linear_qkv.bias"] = torch.stack([
+            torch.cat([q.reshape(g, per * d), k.reshape(g, d), v.reshape(g, d)], 1).reshape(-1)
+            for q, k, v in zip(layer("self_attn.q_proj.bias"), layer("self_attn.k_proj.bias"),
+                               layer("self_attn.v_proj.bias"))])
     return {prefix + k: v.clone() for k, v in out.items()}
 
 
@@ -159,6 +164,43 @@ def test_hf_checkpoint_loads_into_megatron_layout_and_back(tmp_path, tied):
              mapping=bcp.mapping.hf_to_megatron(src.config, padded_vocab_size=PADDED).inverse().with_step(2))
     assert torch.equal(logits(src), logits(back))
     assert all(float(s["step"]) == 2.0 for s in back_opt.state.values()) and len(back_opt.state) == len(opt.state)
+
+
+def test_qwen2_qkv_biases_follow_their_rows(tmp_path):
+    """Qwen2 adds q/k/v biases: Megatron keeps them in linear_qkv.bias, [L, (h + 2g) * d], ordered per
+    query group like the weight's rows. Megatron -> Qwen2ForCausalLM gives the same weights, biases,
+    logits and Adam state; and hf_to_megatron lays the biases out as Megatron does."""
+    def qwen2(seed):
+        torch.manual_seed(seed)
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**CFG)).eval()
+        with torch.no_grad():  # biases are zero at init: make them tell the groups apart
+            for n, p in model.named_parameters():
+                if n.endswith("bias") or "norm" in n:
+                    p.uniform_(0.5, 1.5) if "norm" in n else p.normal_()
+        return model
+
+    src = qwen2(0)
+    assert src.config.model_type == "qwen2" and src.model.layers[0].self_attn.q_proj.bias is not None
+    opt = trained(src)
+    megatron_checkpoint(tmp_path / "mg", src, opt)
+    dst = qwen2(1)
+    dst_opt = torch.optim.AdamW(dst.parameters(), lr=1e-2)
+    bcp.load(str(tmp_path / "mg"), {"model": dst, "optimizer": dst_opt},
+             mapping=bcp.mapping.megatron_to_hf(dst.config))
+    for (n, a), b in zip(src.state_dict().items(), dst.state_dict().values()):
+        assert torch.equal(a, b), n
+    assert torch.equal(logits(src), logits(dst))
+    by_name = dict(dst.named_parameters())
+    for p, st in opt.state.items():
+        name = next(n for n, q in src.named_parameters() if q is p)
+        assert torch.equal(dst_opt.state[by_name[name]]["exp_avg_sq"], st["exp_avg_sq"]), name
+
+    bcp.save(str(tmp_path / "hf"), {"model": src}).wait()
+    want = megatron_layout({k: v.detach() for k, v in src.state_dict().items()}, src.config)
+    target = {k: torch.zeros_like(v) for k, v in want.items()}
+    bcp.load(str(tmp_path / "hf"), target, mapping=bcp.mapping.hf_to_megatron(src.config, padded_vocab_size=PADDED))
+    assert torch.equal(target["decoder.layers.self_attention.linear_qkv.bias"],
+                       want["decoder.layers.self_attention.linear_qkv.bias"])
 
 
 def test_unpadded_target_vocabulary_reads_the_config_rows(tmp_path):
