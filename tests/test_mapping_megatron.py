@@ -3,7 +3,8 @@
 One 2-rank job (gloo, Megatron's DDP and DistributedOptimizer under recipes/_megatron_cpu.py) builds a
 tiny Llama-like GPTModel (local spec, RMSNorm, SwiGLU, GQA with 2 query groups for 4 heads, RoPE,
 no biases, vocabulary 100 padded to 128 * TP), trains it 2 steps at TP=2 (tied and untied
-embeddings), at PP=2 and at DP=2 (tied), and saves it through `("bcp", 1)` twice: with Megatron's
+embeddings), at PP=2 and at DP=2 (tied), and at TP=2 with q/k/v biases (a Qwen2, loaded into
+Qwen2ForCausalLM), and saves it through `("bcp", 1)` twice: with Megatron's
 own `fully_reshardable` optimizer layout, and with bcp's gather-free
 `fully_reshardable_param_state` (the two must hold the same tensors). On every rank it loads the
 gather-free one into a LlamaForCausalLM on its own (one process) with `megatron_to_hf`. Each rank
@@ -32,13 +33,21 @@ if RECIPES not in sys.path:
 VOCAB, HIDDEN, HEADS, GROUPS, FFN, LAYERS, SEQ = 100, 32, 4, 2, 48, 2, 8
 CASES = {"tp2_untied": (2, 1, False), "tp2_tied": (2, 1, True), "pp2_untied": (1, 2, False),
          "pp2_tied": (1, 2, True), "dp2_tied": (1, 1, True)}
+QWEN2 = {"tp2_qwen2"}  # the same model with q/k/v biases (Megatron add_qkv_bias): a Qwen2
+CASES["tp2_qwen2"] = (2, 1, False)
 
 
-def hf_config(tied: bool):
-    return transformers.LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=GROUPS,
-                                    num_hidden_layers=LAYERS, intermediate_size=FFN, vocab_size=VOCAB,
-                                    rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=32,
-                                    tie_word_embeddings=tied, attention_bias=False)
+def hf_config(tied: bool, qwen2: bool = False):
+    dims = dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=GROUPS, num_hidden_layers=LAYERS,
+                intermediate_size=FFN, vocab_size=VOCAB, rms_norm_eps=1e-5, rope_theta=10000.0,
+                max_position_embeddings=32, tie_word_embeddings=tied)
+    if qwen2:
+        return transformers.Qwen2Config(**dims)
+    return transformers.LlamaConfig(**dims, attention_bias=False)
+
+
+def hf_model(config):
+    return (transformers.Qwen2ForCausalLM if config.model_type == "qwen2" else transformers.LlamaForCausalLM)(config)
 
 
 def tokens(seed: int) -> torch.Tensor:
@@ -48,7 +57,7 @@ def tokens(seed: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- rank side
 
-def _gpt(tp: int, pp: int, tied: bool):
+def _gpt(tp: int, pp: int, tied: bool, qkv_bias: bool = False):
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -66,15 +75,17 @@ def _gpt(tp: int, pp: int, tied: bool):
                             params_dtype=torch.float32, pipeline_dtype=torch.float32, normalization="RMSNorm",
                             gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
                             bias_activation_fusion=False, layernorm_epsilon=1e-5, hidden_dropout=0.0,
-                            attention_dropout=0.0)
+                            attention_dropout=0.0, add_qkv_bias=qkv_bias)
     model = GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=128 * tp,
                      max_sequence_length=32, position_embedding_type="rope", rotary_base=10000,
                      share_embeddings_and_output_weights=tied, pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage())
-    with torch.no_grad():  # norms away from 1, so that a misplaced norm weight shows in the logits
+    with torch.no_grad():  # norms away from 1 and biases away from 0: a misplaced one shows in the logits
         for name, p in model.named_parameters():
             if "layernorm" in name:
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_()
     return cfg, model
 
 
@@ -196,7 +207,7 @@ def _megatron_to_hf(rank, world_size, root):
     results = {}
     for case, (tp, pp, tied) in CASES.items():
         with cuda_on_cpu():
-            cfg, model = _gpt(tp, pp, tied)
+            cfg, model = _gpt(tp, pp, tied, qkv_bias=case in QWEN2)
             ddp, opt = _distributed(cfg, model)
             for i in range(2):
                 ddp.zero_grad_buffer()
@@ -223,7 +234,7 @@ def _megatron_to_hf(rank, world_size, root):
             moments = _megatron_moments(model, opt) if tp * pp == 2 else _saved_moments(path)
         # every rank, on its own: a Hugging Face model and a fresh AdamW from the checkpoint
         torch.manual_seed(5)
-        hf = transformers.LlamaForCausalLM(hf_config(tied)).eval()
+        hf = hf_model(hf_config(tied, qwen2=case in QWEN2)).eval()
         hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-2, weight_decay=0.01)
         bcp.load(gather_free, {"model": hf, "optimizer": hf_opt}, mapping=bcp.mapping.megatron_to_hf(hf.config))
         with torch.no_grad():
@@ -385,6 +396,8 @@ def test_megatron_core_saves_the_layout_the_mapping_declares(megatron_to_hf_run,
             "decoder.layers.mlp.linear_fc1.weight": (LAYERS, 2 * FFN, HIDDEN),  # [gate; up], whole
             "decoder.layers.mlp.linear_fc2.weight": (LAYERS, HIDDEN, FFN),
             "decoder.final_layernorm.weight": (HIDDEN,)}
+    if case in QWEN2:  # q/k/v biases: one row per row of the weight
+        want["decoder.layers.self_attention.linear_qkv.bias"] = (LAYERS, (HEADS + 2 * GROUPS) * d)
     if not tied:
         want["output_layer.weight"] = (128 * tp, HIDDEN)
     model_keys = {k: v for k, v in shapes.items() if not k.startswith("optimizer.")}
