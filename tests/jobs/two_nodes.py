@@ -1,13 +1,13 @@
 """One process per node of a 2-node job (two torchrun node groups), saving the way a user does.
 
     torchrun --nnodes 2 --node_rank K --nproc_per_node 1 --master_addr 127.0.0.1 --master_port P \
-        tests/jobs/two_nodes.py --path PATH --out DIR
+        tests/jobs/two_nodes.py --path PATH [--path PATH2 ...] --out DIR
 
-Saves a state whose tensor "w" rank 0 and rank 1 each hold half of (rank 1 also holds "b"), once,
-to PATH (a root); prints "COMMITTED <path>" or "REFUSED <error>" and writes the same to
-DIR/result_rank<r>. With node-local storage (memory:// with a BCP_MEMORY_DIR of each node's own)
-bcp must refuse the save, naming the storage, instead of committing a checkpoint some node cannot
-read.
+Saves a state whose tensor "w" rank 0 and rank 1 each hold half of (rank 1 also holds "b"), once
+to each PATH (a root) in turn; prints "COMMITTED <path>" or "REFUSED <error>" and writes the same to
+DIR/result_rank<r>_<i> for the i-th path. With node-local storage (memory:// with a BCP_MEMORY_DIR
+of each node's own) bcp must refuse the save, naming the storage, instead of committing a
+checkpoint some node cannot read; the job goes on to its next path.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from bcp_core.storage import LocalStorage
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--path", required=True)
+    p.add_argument("--path", action="append", required=True)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     dist.init_process_group("gloo")
@@ -35,8 +35,15 @@ def main() -> None:
     state = {"w": ShardedView((8,), torch.float32, [Box((4 * rank,), (4,), half)])}
     if rank == 1:
         state["b"] = torch.ones(3)
+    for i, path in enumerate(args.path):
+        _save_and_load(path, state, half, rank, os.path.join(args.out, f"result_rank{rank}_{i}"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _save_and_load(path: str, state: dict, half: torch.Tensor, rank: int, out: str) -> None:
     try:
-        handle = bcp.save(args.path, state, step=1, async_save=True)
+        handle = bcp.save(path, state, step=1, async_save=True)
         result = f"COMMITTED {handle.wait()}"
     except bcp.SaveError as e:
         result = f"REFUSED {e}"
@@ -50,15 +57,13 @@ def main() -> None:
             return read_bytes(self, relpath)
         LocalStorage.read_bytes = counting
         target = {"w": ShardedView((8,), torch.float32, [Box((4 * rank,), (4,), torch.zeros(4))])}
-        bcp.load(args.path, target, share_reads=True, strict=False)
+        bcp.load(path, target, share_reads=True, strict=False)
         LocalStorage.read_bytes = read_bytes
         got = target["w"].boxes[0].view
         result += f"\nLOADED {torch.equal(got, half)} metadata_reads={reads.count('bcp_metadata.json')}"
-    with open(os.path.join(args.out, f"result_rank{rank}"), "w") as f:
+    with open(out, "w") as f:
         f.write(result)
     print(result, flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
