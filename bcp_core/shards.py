@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,10 +20,6 @@ import torch
 
 from .errors import BCPError
 
-try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # pragma: no cover - torch without distributed
-    DTensor = Replicate = Shard = None
 
 
 @dataclass(frozen=True)
@@ -90,7 +87,10 @@ def is_tensor_like(v) -> bool:
 
 
 def is_dtensor(t) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    # A DTensor exists only once its module is imported; importing it here would cost every process
+    # half a second (torch.distributed.tensor brings in sympy)
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def global_shape_of(t: torch.Tensor) -> tuple[int, ...]:
@@ -122,6 +122,7 @@ def _dim_runs(indices: range | list[int]) -> list[tuple[int, int, int]]:
 
 
 def _dtensor_boxes(dt) -> LocalTensor:
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import Partial
 
     shape = tuple(dt.shape)
