@@ -250,10 +250,15 @@ def _descendants(pid: int) -> list[int]:
 
 
 def bcp_verify(path: str) -> str:
-    """`bcp verify PATH` as a user runs it; its output, asserting it passed."""
-    import subprocess
-    import sys
-    bcp_cli = os.path.join(os.path.dirname(sys.executable), "bcp")
-    proc = subprocess.run([bcp_cli, "verify", path], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, f"bcp verify {path} failed:\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
+    """`bcp verify PATH` as a user runs it, through the command's entry point in this process (the
+    console script's wiring is tested once, in test_cli and test_packaging; a process per check cost
+    the suite a second and a half each); its output, asserting it passed."""
+    import contextlib
+    import io
+
+    from bcp_core.tools.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["verify", path])
+    assert rc == 0, f"bcp verify {path} failed:\n{out.getvalue()}\n{err.getvalue()}"
+    return out.getvalue()
