@@ -67,10 +67,33 @@ INTEGRATIONS = [  # package, hidden top-level package, module named in the messa
 ]
 
 
+@pytest.fixture(scope="module")
+def integrations_without_frameworks(tmp_path_factory) -> dict:
+    """Each INTEGRATIONS case's child process, all started at once (each mostly imports): what its
+    import of the integration raised, by (package, hidden)."""
+    procs = {}
+    for package, hidden, *_ in INTEGRATIONS:
+        where = tmp_path_factory.mktemp(f"{package}_without_{hidden}")
+        procs[(package, hidden)] = subprocess.Popen(
+            [sys.executable, "-c", _IMPORT, f"bcp_integrations.{package}"], env=_env(where, {hidden: ABSENT}),
+            cwd=where, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results = {}
+    try:
+        for case, proc in procs.items():
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err
+            results[case] = json.loads(out)
+    finally:
+        for proc in procs.values():
+            proc.kill()
+    return results
+
+
 @pytest.mark.parametrize("package,hidden,module,extra,feature", INTEGRATIONS,
                          ids=[f"{p}-without-{h}" for p, h, *_ in INTEGRATIONS])
-def test_integration_without_its_framework_is_one_line(tmp_path, package, hidden, module, extra, feature):
-    got = _import_with_hidden(tmp_path, f"bcp_integrations.{package}", {hidden: ABSENT})
+def test_integration_without_its_framework_is_one_line(integrations_without_frameworks, package, hidden, module,
+                                                       extra, feature):
+    got = integrations_without_frameworks[(package, hidden)]
     assert got is not None, f"bcp_integrations.{package} imported with {hidden} hidden"
     assert got["message"] == (f"bcp: {feature} (bcp_integrations.{package}) needs {module}, which is not installed: "
                               f'pip install "bcp-checkpoint[{extra}]"')
