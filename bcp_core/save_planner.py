@@ -63,31 +63,35 @@ class TensorEntry(NamedTuple):
         Their numbers (after the last string: the dtype) are checked on the text by one regular
         expression: non-negative integers, in exactly an entry's nesting."""
         texts = list(texts)
-        ok = all(type(t) is str and t.startswith('["') and _ENTRY_NUMBERS.fullmatch(t, t.rfind('"') + 1)
-                 for t in texts)
-        if ok:
+        if all(map(_entry_text, texts)):
             try:
                 parsed = json.loads("[" + ",".join(texts) + "]")
             except ValueError:
-                ok = False
-        if ok and len(parsed) == len(texts):
-            out = [cls(*e) for e in parsed if type(e) is list and len(e) == 4 and type(e[0]) is str
-                   and type(e[1]) is str]
-            if len(out) == len(texts):
-                return out
+                parsed = None
+            if parsed is not None and len(parsed) == len(texts) and all(map(_entry_fields, parsed)):
+                return [cls(*e) for e in parsed]
         bad = next((t for t in texts if not _one_entry(t)), texts[0] if texts else "")
         raise PlanError(f"malformed tensor entry in a rank's plan request: {str(bad)[:200]!r}")
 
 
+def _entry_text(text) -> bool:
+    """Whether `text` looks like an entry's canonical text: a list whose numbers are well formed."""
+    return type(text) is str and text.startswith('["') and \
+        _ENTRY_NUMBERS.fullmatch(text, text.rfind('"') + 1) is not None
+
+
+def _entry_fields(e) -> bool:
+    return type(e) is list and len(e) == 4 and type(e[0]) is str and type(e[1]) is str
+
+
 def _one_entry(text) -> bool:
     """Whether `text` alone is a well-formed entry (to name the first one that is not)."""
-    if type(text) is not str or not text.startswith('["') or not _ENTRY_NUMBERS.fullmatch(text, text.rfind('"') + 1):
+    if not _entry_text(text):
         return False
     try:
-        e = json.loads(text)
+        return _entry_fields(json.loads(text))
     except ValueError:
         return False
-    return type(e) is list and len(e) == 4 and type(e[0]) is str and type(e[1]) is str
 
 
 _INTS = r"(?:\d+(?:,\d+)*)?"
@@ -396,7 +400,7 @@ def global_save_plan(structures: list[SaveStructure],
         for held, bi in segments:
             loads = [load[r] for r, _ in held]
             least = min(loads)
-            r, ti = min(h for h, n in zip(held, loads) if n == least)  # ties: the lowest rank
+            r, ti = held[loads.index(least)]  # `held` is in rank order: ties go to the lowest rank
             if best is None or (least, r) < best[:2]:
                 best = (least, r, ti, bi)
         _, r, ti, bi = best

@@ -21,7 +21,6 @@ import torch
 from .errors import BCPError
 
 
-
 @dataclass(frozen=True)
 class Box:
     offsets: tuple[int, ...]

@@ -51,11 +51,23 @@ _IMPORT = textwrap.dedent("""
 """)
 
 
+def _start_import(tmp_path, package: str, hidden: dict[str, str]) -> subprocess.Popen:
+    """A child importing `package` with `hidden` stubbed out; `_import_result` reads what it raised."""
+    return subprocess.Popen([sys.executable, "-c", _IMPORT, package], env=_env(tmp_path, hidden), cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _import_result(proc: subprocess.Popen) -> dict | None:
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    return json.loads(out)
+
+
 def _import_with_hidden(tmp_path, package: str, hidden: dict[str, str]) -> dict | None:
-    out = subprocess.run([sys.executable, "-c", _IMPORT, package], env=_env(tmp_path, hidden), cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+    return _import_result(_start_import(tmp_path, package, hidden))
 
 
 INTEGRATIONS = [  # package, hidden top-level package, module named in the message, extra, feature
@@ -71,22 +83,14 @@ INTEGRATIONS = [  # package, hidden top-level package, module named in the messa
 def integrations_without_frameworks(tmp_path_factory) -> dict:
     """Each INTEGRATIONS case's child process, all started at once (each mostly imports): what its
     import of the integration raised, by (package, hidden)."""
-    procs = {}
-    for package, hidden, *_ in INTEGRATIONS:
-        where = tmp_path_factory.mktemp(f"{package}_without_{hidden}")
-        procs[(package, hidden)] = subprocess.Popen(
-            [sys.executable, "-c", _IMPORT, f"bcp_integrations.{package}"], env=_env(where, {hidden: ABSENT}),
-            cwd=where, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    results = {}
+    procs = {(package, hidden): _start_import(tmp_path_factory.mktemp(f"{package}_without_{hidden}"),
+                                              f"bcp_integrations.{package}", {hidden: ABSENT})
+             for package, hidden, *_ in INTEGRATIONS}
     try:
-        for case, proc in procs.items():
-            out, err = proc.communicate(timeout=120)
-            assert proc.returncode == 0, err
-            results[case] = json.loads(out)
+        return {case: _import_result(proc) for case, proc in procs.items()}
     finally:
         for proc in procs.values():
             proc.kill()
-    return results
 
 
 @pytest.mark.parametrize("package,hidden,module,extra,feature", INTEGRATIONS,

@@ -329,15 +329,13 @@ def test_own_failed_save_goes_at_the_next_commit_another_jobs_save_in_progress_s
     from bcp_core.storage import local
     root = tmp_path / "root"
     _save(root, 1)
-    real_open = local.LocalStorage.open_writer
-
     def failing(self, relpath):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(local.LocalStorage, "open_writer", failing)
     with pytest.raises(bcp.SaveError, match="No space left"):
         _save(root, 3)
-    monkeypatch.setattr(local.LocalStorage, "open_writer", real_open)
+    monkeypatch.undo()
     assert not (root / "step_00000003" / "bcp_metadata.json").exists()
     mark = json.loads((root / "step_00000003" / "bcp_failed.json").read_text())
     assert "step 3" in mark["save"] and "No space left" in mark["error"], mark
