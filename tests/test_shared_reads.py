@@ -88,9 +88,12 @@ def _verification_sharing(rank, root) -> dict:
         finally:
             engine.checksum = real
         expected = full if share == "plain" else full[:, rank * COLS // 2:(rank + 1) * COLS // 2]
-        assert torch.equal(target["w"] if share == "plain" else target["w"].to_local(), expected)
+        got = target["w"] if share == "plain" else target["w"].to_local()
+        assert torch.equal(got, expected), f"rank {rank}, share_reads={share!r}: loaded values differ"
         out[f"hashed_bytes_shared_{share}"] = sum(hashed)
-    # One flipped byte: whichever rank verifies that block, every rank fails the load.
+    # One flipped byte: whichever rank verifies that block, every rank fails the load. The plain load
+    # above is each rank's own, so wait for both before touching the file.
+    dist.barrier()
     md = bcp.inspect(path)
     piece = md.tensors["w"].pieces[1]
     if rank == 0:
