@@ -261,7 +261,9 @@ def _two_ranks(rank, world_size, root, s3_root):
     out["metadata_reads"] = reads.count(METADATA_FILE)
     out["loaded"] = _frozen(good) == _frozen(_fsdp2_state(1))
 
-    # A corrupted block that only rank 1 reads and verifies: both ranks fail, neither changes.
+    # A corrupted block that only rank 1 reads and verifies: both ranks fail, neither changes. (Rank 1
+    # may still be copying the good load's verified bytes from its memory map: flip after it is done.)
+    dist.barrier()
     if rank == 0:
         out["corrupt_file"] = _last_model_piece(path, 1)[0]
         _flip(path, *_last_model_piece(path, 1))
@@ -290,6 +292,7 @@ def _two_ranks(rank, world_size, root, s3_root):
     out["replicated"] = _attempt(lambda: bcp.load(rep_path, rep, share_reads=True, timeout=TIMEOUT))
     out["replicated_loaded"] = _frozen(rep) == _frozen(_replicated_state(1))
     rep = _replicated_state(2)
+    dist.barrier()  # both ranks are done with the load above before its file goes
     if rank == 0:
         out["owner_file"] = bcp.inspect(rep_path).files[0]
         storage_for(rep_path).remove(out["owner_file"])
