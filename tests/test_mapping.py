@@ -102,16 +102,9 @@ def logits(model, seed=7):
         return model(input_ids=tokens).logits
 
 
-# ----------------------------------------------------------------------------- the Llama family
-
-@pytest.mark.parametrize("tied", [False, True])
-def test_megatron_layout_loads_into_llama_with_optimizer_state(tmp_path, tied):
-    src = llama(tie_word_embeddings=tied)
-    opt = trained(src)
-    megatron_checkpoint(tmp_path, src, opt)
-    dst = llama(seed=1, tie_word_embeddings=tied)
-    dst_opt = torch.optim.AdamW(dst.parameters(), lr=1e-2)
-    bcp.load(str(tmp_path), {"model": dst, "optimizer": dst_opt}, mapping=bcp.mapping.megatron_to_hf(dst.config))
+def assert_same_training_state(src, opt, dst, dst_opt) -> None:
+    """`dst` (loaded through a mapping) has `src`'s weights and logits, and `dst_opt` the Adam moments
+    and step (2) of `opt`, parameter by parameter."""
     for (n, a), b in zip(src.state_dict().items(), dst.state_dict().values()):
         assert torch.equal(a, b), n
     assert torch.equal(logits(src), logits(dst))
@@ -122,6 +115,19 @@ def test_megatron_layout_loads_into_llama_with_optimizer_state(tmp_path, tied):
         assert torch.equal(got["exp_avg"], s["exp_avg"]) and torch.equal(got["exp_avg_sq"], s["exp_avg_sq"]), name
         assert float(got["step"]) == 2.0
     assert len(dst_opt.state) == len(opt.state)
+
+
+# ----------------------------------------------------------------------------- the Llama family
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_megatron_layout_loads_into_llama_with_optimizer_state(tmp_path, tied):
+    src = llama(tie_word_embeddings=tied)
+    opt = trained(src)
+    megatron_checkpoint(tmp_path, src, opt)
+    dst = llama(seed=1, tie_word_embeddings=tied)
+    dst_opt = torch.optim.AdamW(dst.parameters(), lr=1e-2)
+    bcp.load(str(tmp_path), {"model": dst, "optimizer": dst_opt}, mapping=bcp.mapping.megatron_to_hf(dst.config))
+    assert_same_training_state(src, opt, dst, dst_opt)
     for m, o in ((src, opt), (dst, dst_opt)):  # one more step goes the same way from both
         trained_step(m, o)
     assert torch.equal(logits(src), logits(dst))
@@ -187,13 +193,7 @@ def test_qwen2_qkv_biases_follow_their_rows(tmp_path):
     dst_opt = torch.optim.AdamW(dst.parameters(), lr=1e-2)
     bcp.load(str(tmp_path / "mg"), {"model": dst, "optimizer": dst_opt},
              mapping=bcp.mapping.megatron_to_hf(dst.config))
-    for (n, a), b in zip(src.state_dict().items(), dst.state_dict().values()):
-        assert torch.equal(a, b), n
-    assert torch.equal(logits(src), logits(dst))
-    by_name = dict(dst.named_parameters())
-    for p, st in opt.state.items():
-        name = next(n for n, q in src.named_parameters() if q is p)
-        assert torch.equal(dst_opt.state[by_name[name]]["exp_avg_sq"], st["exp_avg_sq"]), name
+    assert_same_training_state(src, opt, dst, dst_opt)
 
     bcp.save(str(tmp_path / "hf"), {"model": src}).wait()
     want = megatron_layout({k: v.detach() for k, v in src.state_dict().items()}, src.config)

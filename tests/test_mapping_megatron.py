@@ -32,9 +32,8 @@ if RECIPES not in sys.path:
 
 VOCAB, HIDDEN, HEADS, GROUPS, FFN, LAYERS, SEQ = 100, 32, 4, 2, 48, 2, 8
 CASES = {"tp2_untied": (2, 1, False), "tp2_tied": (2, 1, True), "pp2_untied": (1, 2, False),
-         "pp2_tied": (1, 2, True), "dp2_tied": (1, 1, True)}
+         "pp2_tied": (1, 2, True), "dp2_tied": (1, 1, True), "tp2_qwen2": (2, 1, False)}
 QWEN2 = {"tp2_qwen2"}  # the same model with q/k/v biases (Megatron add_qkv_bias): a Qwen2
-CASES["tp2_qwen2"] = (2, 1, False)
 
 
 def hf_config(tied: bool, qwen2: bool = False):

@@ -68,10 +68,9 @@ def test_storage_not_shared_by_the_nodes_is_refused(tmp_path):
         assert not os.path.exists(os.path.join(d, "bcp-memory", "two-nodes", "ckpt", "step_00000001",
                                                "bcp_metadata.json"))
 
-    results = shared_results
-    assert all(text.startswith("COMMITTED") for text in results), results
+    assert all(text.startswith("COMMITTED") for text in shared_results), shared_results
     # and a collective load reads the metadata once per node, each node's share back exactly
-    assert all(text.endswith("LOADED True metadata_reads=1") for text in results), results
+    assert all(text.endswith("LOADED True metadata_reads=1") for text in shared_results), shared_results
     bcp_verify(str(shared))
     target = {"w": torch.zeros(8), "b": torch.zeros(3)}
     bcp.load(str(shared), target)
