@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import MappingError
+from .rules import Mapping, megatron_scheme, qkv_split, rename, rows, torch_scheme
 
 
 def _get(config: Any, name: str, default: Any = None) -> Any:
@@ -68,8 +69,6 @@ def megatron_to_hf(config: Any, *, padded_vocab_size: int | None = None, model: 
     `{model: hf_model, optimizer: torch_optimizer}`. `padded_vocab_size`: the Megatron embedding's
     rows (default: whatever the checkpoint has, at least the config's vocab_size). `step`: the
     optimizer step to hand over if the checkpoint's common state does not say."""
-    from . import Mapping, megatron_scheme, qkv_split, rename, rows, torch_scheme
-
     c = _dims(config)
     H, h, g, d, L, F, V = (c[k] for k in ("H", "h", "g", "d", "L", "F", "V"))
     if padded_vocab_size is not None and padded_vocab_size < V:

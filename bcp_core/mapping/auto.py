@@ -1,0 +1,51 @@
+"""`mapping="auto"`: the declared mapping a load uses, from the framework that saved the checkpoint
+and the model family of the target's Hugging Face config (docs/mapping.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import MappingError
+from ..metadata import CheckpointMetadata
+from .llama import megatron_to_hf
+from .rules import Mapping
+
+FAMILIES = ("llama", "mistral", "qwen2")  # Hugging Face model_type values the declared mappings serve
+
+
+def resolve_mapping(mapping: Any, md: CheckpointMetadata, state: dict, adapter: Any) -> Mapping | None:
+    """`mapping` itself, or for "auto" the declared mapping from the framework that saved `md` to the
+    target's: none when both are Megatron or both are not; Megatron -> a Hugging Face model of the
+    Llama family in `state` (its config says how); anything else is refused."""
+    if isinstance(mapping, Mapping):
+        return mapping
+    if mapping != "auto":
+        raise MappingError(f"mapping must be a bcp_core.mapping.Mapping or 'auto', got {mapping!r}")
+    saved_megatron, into_megatron = md.framework == "megatron", adapter.name == "megatron"
+    if saved_megatron == into_megatron:
+        return None
+    if into_megatron:
+        raise MappingError(f"mapping='auto': the checkpoint was saved by {md.framework!r}, the target is Megatron; "
+                           "a Megatron state does not say which model family it is: pass "
+                           "mapping=bcp.mapping.hf_to_megatron(hf_config)")
+    models = [(k, v) for k, v in state.items() if isinstance(v, torch.nn.Module)]
+    found = [(k, getattr(_unwrapped(v), "config", None)) for k, v in models]
+    found = [(k, cfg) for k, cfg in found if cfg is not None]
+    if len(found) != 1:
+        raise MappingError(f"mapping='auto': the checkpoint was saved by Megatron; the target needs exactly one "
+                           f"Hugging Face model (with a .config) in the state, found {len(found)}")
+    key, cfg = found[0]
+    family = getattr(cfg, "model_type", None)
+    if family not in FAMILIES:
+        raise MappingError(f"mapping='auto': no declared mapping from Megatron to a {family!r} model (declared: "
+                           f"{', '.join(FAMILIES)})")
+    optimizers = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]
+    return megatron_to_hf(cfg, model=key, optimizer=optimizers[0] if len(optimizers) == 1 else "optimizer")
+
+
+def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    from ..adapters import unwrap  # the adapters' layer is above this one
+    return unwrap(module)
