@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from . import metrics
 from .errors import BCPError, CommTimeoutError
+from .metadata import parse_json
 from .utils import gc_paused
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -420,4 +421,4 @@ def _encode(obj: Any) -> bytes:
 
 def _decode(data: bytes) -> Any:
     # a gathered plan of a large job is millions of small objects: see planner.gc_paused
-    return gc_paused(json.loads)(data) if len(data) > 1 << 20 else json.loads(data)
+    return gc_paused(parse_json)(data, "bcp message") if len(data) > 1 << 20 else parse_json(data, "bcp message")

@@ -21,9 +21,9 @@ import torch
 import xxhash
 
 from . import codec, metrics
-from .errors import ChecksumError, KeyMismatchError, MetadataError, StorageError
+from .errors import ChecksumError, KeyMismatchError, StorageError
 from .load_planner import ReadItem
-from .metadata import CheckpointMetadata, num_blocks
+from .metadata import CheckpointMetadata, check_metadata_size, num_blocks, parse_json
 from .storage import Storage
 from .storage.base import CONFIG
 
@@ -223,13 +223,11 @@ class ShardReader:
             raise KeyMismatchError(f"sharded object {self.fqn!r} has no shard at index {tuple(index)} "
                                    f"(grid {self.grid}, saved {len(self.indices)} shards)")
         what = f"shard {list(p.index)} of {self.fqn!r}"
+        check_metadata_size(p.nbytes, f"{what} in {self._st.join(self._md.files[p.file])}")
         data = read_verified(self._st, self._md.files[p.file], p.byte_offset, p.nbytes, p.checksums,
                              self._md.checksum_block_bytes, what, self._verify)
-        try:
-            raw = json.loads(data)
-        except ValueError as e:
-            raise MetadataError(f"{what} in {self._md.files[p.file]} is not valid JSON: {e}") from None
-        return codec.decode(raw, self.fqn, self._allow_pickle)
+        return codec.decode(parse_json(data, f"{what} in {self._st.join(self._md.files[p.file])}"), self.fqn,
+                            self._allow_pickle)
 
 
 def item_span(item: ReadItem, block: int, verify: bool) -> tuple[int, int]:

@@ -15,7 +15,6 @@ its target, and nothing is followed through one.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -24,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .errors import BCPError, IncompleteCheckpointError, NotACheckpointError
-from .metadata import FAILED_FILE, METADATA_FILE, TRACKER_FILE
+from .metadata import FAILED_FILE, METADATA_FILE, TRACKER_FILE, parse_json, read_capped, read_prefix
 from .storage import Storage, storage_for
 from .storage.base import REMOTE_THREADS, parse_temp_name, temp_writer_gone, this_host
 
@@ -64,8 +63,18 @@ class CheckpointEntry:
     latest: bool         # what `load(root)` uses
 
 
+# The tracker holds a step directory's name; bcp reads no more of it than this (a file of any size,
+# sparse gigabytes included, costs one small read). Its name is the text before the first space,
+# line end or NUL (docs/format.md).
+TRACKER_READ_BYTES = 4096
+
+
 def read_tracker(root: Storage) -> str | None:
-    return root.read_bytes(TRACKER_FILE).decode(errors="replace").strip() if root.exists(TRACKER_FILE) else None
+    """The name the root's tracker holds, or None without a tracker."""
+    if not root.exists(TRACKER_FILE):
+        return None
+    text = read_prefix(root, TRACKER_FILE, TRACKER_READ_BYTES).decode(errors="replace")
+    return re.match(r"[^\s\x00]*", text.lstrip()).group()
 
 
 def write_tracker(root: Storage, name: str) -> None:
@@ -130,10 +139,12 @@ def resolve(path: str | os.PathLike, naming: StepNaming = BCP_STEPS) -> Storage:
 def _failure(st: Storage) -> str:
     """What FAILED_FILE says of the failed save (its text is not trusted: only shown, shortened)."""
     try:
-        mark = json.loads(st.read_bytes(FAILED_FILE))
-        return f"{mark['save']}: {mark['error']}"[:2000]
-    except Exception as e:  # noqa: BLE001 - a damaged mark still says the save failed
+        mark = parse_json(read_capped(st, FAILED_FILE), st.join(FAILED_FILE))
+    except (BCPError, OSError) as e:  # a damaged mark still says the save failed
         return f"{FAILED_FILE} unreadable: {e}"
+    if type(mark) is dict and type(mark.get("save")) is str and type(mark.get("error")) is str:
+        return f"{mark['save']}: {mark['error']}"[:2000]
+    return f"{FAILED_FILE} unreadable: not an object with the strings \"save\" and \"error\""
 
 
 def latest_complete(root: str | os.PathLike, naming: StepNaming = BCP_STEPS) -> str | None:

@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .metadata import parse_json
+
 log = logging.getLogger("bcp")
 
 METRICS_FILE = "bcp_metrics.jsonl"
@@ -234,8 +236,10 @@ def save_beside(ckpt, per_rank: list[list[dict] | None]) -> None:
         log.warning("bcp: could not write %s beside %s: %s", METRICS_FILE, ckpt.root, e)
 
 
-def load_jsonl(text: str) -> list[dict]:
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+def load_jsonl(data: bytes | str, source: str) -> list[dict]:
+    """The records of a JSON-lines text; MetadataError naming `source` and the line if one is not JSON."""
+    lines = data.splitlines() if isinstance(data, str) else data.decode(errors="replace").splitlines()
+    return [parse_json(line, f"{source} line {i + 1}") for i, line in enumerate(lines) if line.strip()]
 
 
 def summarise(records: list[dict]) -> dict[str, Any]:

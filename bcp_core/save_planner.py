@@ -26,10 +26,10 @@ import torch
 
 from . import codec, metrics
 from .engine import WrittenPiece
-from .errors import PlanError, SaveError
+from .errors import MetadataError, PlanError, SaveError
 from .flatten import SaveLeaf
 from .metadata import (CheckpointMetadata, ObjectPiece, ObjectValue, PerRankMeta, Piece, ShardedObjectMeta,
-                       TensorMeta, dtype_from_name, dtype_name, element_size)
+                       TensorMeta, dtype_from_name, dtype_name, element_size, parse_json)
 from .shards import LocalTensor, ObjectShard, is_tensor_like, local_tensor, tiling_fault
 from .utils import digest, gc_paused
 
@@ -65,8 +65,8 @@ class TensorEntry(NamedTuple):
         texts = list(texts)
         if all(map(_entry_text, texts)):
             try:
-                parsed = json.loads("[" + ",".join(texts) + "]")
-            except ValueError:
+                parsed = parse_json("[" + ",".join(texts) + "]", "tensor entries")
+            except MetadataError:
                 parsed = None
             if parsed is not None and len(parsed) == len(texts) and all(map(_entry_fields, parsed)):
                 return [cls(*e) for e in parsed]
@@ -89,8 +89,8 @@ def _one_entry(text) -> bool:
     if not _entry_text(text):
         return False
     try:
-        return _entry_fields(json.loads(text))
-    except ValueError:
+        return _entry_fields(parse_json(text, "tensor entry"))
+    except MetadataError:
         return False
 
 

@@ -18,7 +18,8 @@ import torch
 from .. import api, codec
 from ..engine import SAFETENSORS_DTYPES, ShardReader, read_all
 from ..errors import BCPError, ToolError
-from ..metadata import CheckpointMetadata, ObjectValue, TensorMeta, check_file_sizes, dtype_from_name, element_size
+from ..metadata import (CheckpointMetadata, ObjectValue, TensorMeta, check_file_sizes, dtype_from_name, element_size,
+                        parse_json, read_capped)
 from ..storage import Storage, storage_for
 from ..storage.base import temp_name
 from ..storage.local import local_path
@@ -168,9 +169,8 @@ def _mapped_entries(st: Storage, md: CheckpointMetadata, mapping: str, config: s
         raise ToolError("--mapping needs --config: the Hugging Face config.json (or its directory) of the model")
     cfg_file = os.path.join(config, "config.json") if os.path.isdir(config) else config
     try:
-        with open(cfg_file, "rb") as f:
-            cfg = json.loads(f.read())
-    except (OSError, ValueError) as e:
+        cfg = _read_json(cfg_file)
+    except (OSError, BCPError) as e:
         raise ToolError(f"cannot read the model config {cfg_file}: {e}") from None
     if md.framework != "megatron":
         raise ToolError(f"--mapping {mapping}: {st.root} was saved by {md.framework!r}, not by Megatron")
@@ -334,6 +334,12 @@ def _flatten(prefix: str, v: Any, out: dict) -> None:
         out[prefix] = v
 
 
+def _read_json(path: str) -> Any:
+    """The JSON document of local file `path` (an HF config or index): read only within the cap of
+    every JSON text bcp reads (`read_capped`), parsed by `parse_json`."""
+    return parse_json(read_capped(storage_for(os.path.dirname(path) or "."), os.path.basename(path)), path)
+
+
 def _mmap_safetensors(path: str) -> dict[str, torch.Tensor]:
     """Tensors of a safetensors file as views of a private memory map: nothing is read until saved."""
     size = os.path.getsize(path)
@@ -341,7 +347,7 @@ def _mmap_safetensors(path: str) -> dict[str, torch.Tensor]:
         n = int.from_bytes(f.read(8), "little")
         if n > min(size - 8, 100 << 20):
             raise ToolError(f"{path}: not a safetensors file (header length {n})")
-        header = json.loads(f.read(n))
+        header = parse_json(f.read(n), f"{path}: safetensors header")
     storage = torch.UntypedStorage.from_file(path, shared=False, nbytes=size)
     flat = torch.empty(0, dtype=torch.uint8).set_(storage)
     base = 8 + n
@@ -365,8 +371,7 @@ def _hf_files(src: str) -> list[str]:
         return [src]
     index = os.path.join(src, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        files = sorted(set(_read_json(index)["weight_map"].values()))
         return [os.path.join(src, x) for x in files]
     single = os.path.join(src, "model.safetensors")
     if os.path.exists(single):

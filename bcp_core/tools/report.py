@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from ..errors import BCPError
 from ..extras import require
 from ..layout import resolve
+from ..metadata import read_capped
 from ..utils import human_bytes
 from ..metrics import LOAD_PHASES, METRICS_FILE, SAVE_PHASES, load_jsonl
 
@@ -47,12 +48,12 @@ def read_records(path: str | os.PathLike) -> tuple[str, list[dict]]:
     path = os.fspath(path)
     if os.path.isfile(path):
         with open(path) as f:
-            return path, load_jsonl(f.read())
+            return path, load_jsonl(f.read(), path)
     st = resolve(path)
     if not st.exists(METRICS_FILE):
         raise BCPError(f"{st.root} has no {METRICS_FILE}: it was saved by a bcp without metrics, or the file "
                        "could not be written (see the save's log)")
-    return st.join(METRICS_FILE), load_jsonl(st.read_bytes(METRICS_FILE).decode())
+    return st.join(METRICS_FILE), load_jsonl(read_capped(st, METRICS_FILE), st.join(METRICS_FILE))
 
 
 def build(source: str, records: list[dict], op: str | None = None) -> Report:

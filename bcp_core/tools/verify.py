@@ -6,7 +6,6 @@ when the metadata is parsed: a checkpoint whose metadata fails them has one faul
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 
@@ -15,7 +14,7 @@ import torch
 from ..engine import read_all, read_verified
 from ..errors import BCPError, ChecksumError
 from ..load_planner import ReadItem
-from ..metadata import CheckpointMetadata, Piece, TensorMeta, element_size, file_extents, num_blocks
+from ..metadata import CheckpointMetadata, Piece, TensorMeta, element_size, file_extents, num_blocks, parse_json
 from ..storage import Storage
 from .read import CHUNK_BYTES, box_str, open_checkpoint, progress_bar, row_blocks
 
@@ -38,7 +37,7 @@ def _header_of(st: Storage, rel: str) -> dict:
         raise ValueError(f"safetensors header length {n} is implausible")
     raw = bytearray(n)
     st.read_into(rel, 8, memoryview(raw))
-    return {"_header_bytes": 8 + n, **json.loads(bytes(raw))}
+    return {"_header_bytes": 8 + n, **parse_json(bytes(raw), st.join(rel))}
 
 
 # A piece to check: (key for messages, its name in the file's header or "", its tensor, the piece).

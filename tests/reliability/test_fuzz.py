@@ -411,3 +411,149 @@ def test_every_record_class_takes_random_fields_or_gives_bcp_errors(data):
     fields = data.draw(st.lists(JSON, min_size=n, max_size=n), label="fields")
     with bounded_memory():
         _record_or_bcp_error({"record": name, "fields": fields})
+
+
+# ----------------------------------------------------------------------------- hostile files
+
+DEEP = 100_000                  # arrays nested this deep: far past any parser's recursion limit
+HUGE = 64 << 30                 # a sparse file this long takes no disk; reading it whole would not fit
+
+
+def _deep_json(depth: int = DEEP) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+def _grow(path, head: bytes = b"") -> None:
+    """Make `path` a HUGE sparse file starting with `head`."""
+    with open(path, "wb") as f:
+        f.write(head)
+        f.truncate(HUGE)
+
+
+@pytest.fixture(scope="module")
+def hostile_root(tmp_path_factory) -> str:
+    """A root of two steps; each holds a sharded object whose one shard is a string of 2*DEEP + 2
+    characters (its JSON exactly as long as a DEEP nesting with a space either side)."""
+    root = tmp_path_factory.mktemp("hostile") / "root"
+    for step in (1, 2):
+        bcp.save(str(root), {"w": torch.full((3,), float(step)),
+                             "buf": ObjectShard("x" * 2 * DEEP, (0,), (1,))}, step=step).wait()
+    return str(root)
+
+
+@pytest.fixture
+def root(hostile_root, tmp_path) -> str:
+    import shutil
+    return shutil.copytree(hostile_root, tmp_path / "root")
+
+
+def _targets():
+    return {"w": torch.zeros(3), "buf": ObjectShard(None, (0,), (1,))}
+
+
+def test_a_deeply_nested_object_piece_is_a_metadata_error_naming_its_file(root):
+    """The shard's bytes replaced (checksum updated to match) by arrays nested DEEP levels."""
+    import xxhash
+    ck = f"{root}/step_00000002"
+    md = json.loads(open(f"{ck}/{METADATA_FILE}").read())
+    piece = md["sharded_objects"]["buf"]["shards"][0]
+    hostile = b" " + _deep_json() + b" "
+    assert piece["nbytes"] == len(hostile)
+    data_file = f"{ck}/{md['files'][piece['file']]}"
+    with open(data_file, "r+b") as f:
+        f.seek(piece["byte_offset"])
+        f.write(hostile)
+    piece["checksums"] = [xxhash.xxh3_64_intdigest(hostile)]
+    with open(f"{ck}/{METADATA_FILE}", "w") as f:
+        json.dump(md, f)
+    state = _targets()
+    with pytest.raises(bcp.MetadataError, match=rf"shard \[0\] of 'buf' in {data_file}: JSON nested too deeply"):
+        bcp.load(root, state)
+    assert state["w"].eq(0).all()  # nothing of the state changed
+
+
+def test_an_object_piece_over_the_json_cap_is_refused_before_it_is_read(root, monkeypatch):
+    monkeypatch.setenv("BCP_MAX_METADATA_BYTES", str(2 * DEEP))  # the metadata fits, the shard does not
+    with pytest.raises(bcp.MetadataError, match=r"shard \[0\] of 'buf' in .*\.safetensors has 200002 bytes, "
+                                                r"more than the 200000 bcp reads"):
+        bcp.load(root, _targets())
+
+
+@pytest.mark.parametrize("head", [b"step_00000001", b"step_00000001\n", b" step_00000001 garbage"])
+def test_a_huge_tracker_is_followed_reading_only_its_first_bytes(root, head):
+    """A sparse tracker of HUGE bytes naming step 1 (the older: a scan would take step 2)."""
+    from bcp_core.layout import TRACKER_READ_BYTES, list_checkpoints
+    from bcp_core.storage.local import LocalStorage
+    _grow(f"{root}/latest", head)
+    asked = []
+    read_into = LocalStorage.read_into
+    with mock.patch.object(LocalStorage, "read_into", lambda self, rel, off, out: (
+            asked.append((rel, len(out))), read_into(self, rel, off, out))[1]):
+        state = {"w": torch.zeros(3)}
+        bcp.load(root, state, strict=False)
+        assert [e.name for e in list_checkpoints(root) if e.latest] == ["step_00000001"]
+    assert state["w"].eq(1).all()
+    assert max(n for rel, n in asked if rel == "latest") <= TRACKER_READ_BYTES
+
+
+def test_a_huge_tracker_naming_nothing_falls_back_to_the_newest_step(root):
+    _grow(f"{root}/latest")  # NUL bytes only
+    state = {"w": torch.zeros(3)}
+    bcp.load(root, state, strict=False)
+    assert state["w"].eq(2).all()
+
+
+@pytest.mark.parametrize("content", ["huge", "deep"])
+def test_a_hostile_failure_record_still_says_the_save_failed(root, content):
+    """bcp_failed.json of a step without metadata: a load's error says the save failed, the record unreadable."""
+    import os
+    ck = f"{root}/step_00000002"
+    os.remove(f"{ck}/{METADATA_FILE}")
+    if content == "huge":
+        _grow(f"{ck}/bcp_failed.json", b'{"save": "s", "error": "')
+        why = rf"has {HUGE} bytes, more than the \d+ bcp reads"
+    else:
+        with open(f"{ck}/bcp_failed.json", "wb") as f:
+            f.write(_deep_json())
+        why = "JSON nested too deeply to parse"
+    with pytest.raises(bcp.IncompleteCheckpointError, match=rf"its save failed.*bcp_failed.json unreadable: .*{why}"):
+        bcp.load(ck, {})
+
+
+@pytest.mark.parametrize("content", ["huge", "deep"])
+def test_a_hostile_metrics_file_is_a_metadata_error_naming_it(root, content):
+    from bcp_core.tools.report import read_records
+    ck = f"{root}/step_00000002"
+    if content == "huge":
+        _grow(f"{ck}/bcp_metrics.jsonl", b"{}\n")
+        why = rf"bcp_metrics.jsonl has {HUGE} bytes, more than"
+    else:
+        with open(f"{ck}/bcp_metrics.jsonl", "ab") as f:
+            f.write(_deep_json() + b"\n")
+        why = r"bcp_metrics.jsonl line \d+: JSON nested too deeply"
+    with pytest.raises(bcp.MetadataError, match=why):
+        read_records(ck)
+
+
+@pytest.mark.parametrize("content", ["huge", "deep"])
+def test_a_hostile_hf_index_is_refused_naming_it(tmp_path, content):
+    from bcp_core.tools.convert import import_checkpoint
+    index = tmp_path / "hf" / "model.safetensors.index.json"
+    index.parent.mkdir()
+    if content == "huge":
+        _grow(index, b'{"weight_map": {')
+        why = rf"has {HUGE} bytes, more than"
+    else:
+        index.write_bytes(_deep_json())
+        why = "JSON nested too deeply"
+    with pytest.raises(bcp.MetadataError, match=rf"{index}.*{why}"):
+        import_checkpoint(str(index.parent), str(tmp_path / "out"), "hf")
+
+
+def test_a_deeply_nested_plan_entry_or_message_is_a_bcp_error():
+    from bcp_core import comm
+    deep = '["w","float32",' + "[" * DEEP + "]" * DEEP + ',[4],[[[0],[4]]]]'
+    with pytest.raises(bcp.PlanError, match="malformed tensor entry"):
+        global_save_plan([SaveStructure((deep,), (), (), ())])
+    with pytest.raises(bcp.MetadataError, match="bcp message: JSON nested too deeply"):
+        comm._decode(_deep_json())
