@@ -1,0 +1,124 @@
+"""Megatron-LM's own training loop (`pretrain_gpt.py`) on CPU with gloo, for the tests that run it
+(tests/jobs/megatron_lm_pretrain.py, tests/test_megatron_lm.py). On a GPU machine do not use it.
+
+Megatron-LM assumes CUDA well beyond Megatron-core's DDP and DistributedOptimizer (whose stand-ins
+are recipes/_megatron_cpu.py's `cuda_on_cpu()`, entered here for the whole run). Each stand-in
+below names the place that needs it; all are test-environment stand-ins, none belongs in bcp.
+
+`use_tree(tree)` comes first, before anything imports `megatron`: it puts a Megatron-LM source
+tree (BCP_MEGATRON_LM/<release>) first on sys.path and makes its imports work on this Python;
+`install()` then replaces the CUDA calls once `megatron.training` is importable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import importlib.util
+import os
+import sys
+import sysconfig
+import typing
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RECIPES = os.path.join(HERE, "..", "recipes")
+
+#: the environment variable naming the directory that holds core_v0.16.1/, core_v0.17.1/, ...
+TREES_ENV = "BCP_MEGATRON_LM"
+RELEASES = ("core_v0.16.1", "core_v0.17.1", "core_v0.19.0")
+
+
+def trees_root() -> str | None:
+    """The directory holding the Megatron-LM source trees, or None when this machine has none."""
+    root = os.environ.get(TREES_ENV)
+    return root if root and os.path.isdir(root) else None
+
+
+def release_tuple(tree: str) -> tuple[int, ...]:
+    """(0, 19, 0) for .../core_v0.19.0."""
+    name = os.path.basename(os.path.normpath(tree))
+    if not name.startswith("core_v"):
+        raise ValueError(f"{tree}: not a Megatron-LM tree named core_v<version>")
+    return tuple(int(x) for x in name[len("core_v"):].split("."))
+
+
+def _wheel_helpers_so() -> str:
+    """The installed megatron-core wheel's compiled dataset helpers (helpers.cpp is the same source
+    in 0.16.1, 0.17.1 and 0.19.0; the trees hold it uncompiled)."""
+    found = sorted(glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "megatron", "core", "datasets",
+                                          "helpers_cpp*.so")))
+    if not found:
+        raise RuntimeError("no megatron/core/datasets/helpers_cpp*.so in site-packages: install megatron-core")
+    return found[0]
+
+
+def use_tree(tree: str) -> None:
+    """Import Megatron-LM from `tree` (before `megatron` is imported anywhere in this process)."""
+    if "megatron" in sys.modules or "megatron.core" in sys.modules:
+        raise RuntimeError("megatron was imported before use_tree(): the installed wheel would shadow the tree")
+    sys.path.insert(0, os.path.abspath(tree))  # also pretrain_gpt.py's siblings (gpt_builders, model_provider)
+    if RECIPES not in sys.path:
+        sys.path.append(RECIPES)  # recipes/_megatron_cpu.py
+    # megatron.training 0.18+ imports typing.override (new in Python 3.12)
+    if not hasattr(typing, "override"):
+        import typing_extensions
+        typing.override = typing_extensions.override
+    # megatron.training.initialize imports the batch-invariant kernels, which import triton (absent
+    # with CPU-only torch)
+    from _triton_stub import install_triton_stub
+    install_triton_stub()
+    # Megatron compiles helpers.cpp with `make` into its own tree at start-up (read-only here): load
+    # the installed wheel's build of the same source under the name the tree imports
+    name = "megatron.core.datasets.helpers_cpp"
+    spec = importlib.util.spec_from_file_location(name, _wheel_helpers_so())
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+
+
+def _patch(obj, name: str, new) -> None:
+    if not hasattr(obj, name):
+        raise AttributeError(f"{obj!r} has no {name}: this Megatron-LM release differs from what the stand-ins know")
+    setattr(obj, name, new)
+
+
+_installed = contextlib.ExitStack()  # held for the life of the process: a collected generator context would undo it
+
+
+def install() -> None:
+    """Replace the CUDA calls Megatron-LM's training loop makes by CPU ones, for the rest of the process."""
+    import torch
+    from megatron.training import arguments, initialize, training
+
+    from _megatron_cpu import cuda_on_cpu  # recipes/_megatron_cpu.py: DDP, DistributedOptimizer, GPT forward
+
+    _installed.enter_context(cuda_on_cpu())
+
+    # initialize_megatron asserts CUDA unless told it may run without it
+    original_initialize = training.initialize_megatron
+
+    def initialize_megatron(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return original_initialize(*args, **kwargs)
+    _patch(training, "initialize_megatron", initialize_megatron)
+
+    # _initialize_distributed builds the model-parallel groups and seeds the model-parallel RNG
+    # tracker only when it sees a device
+    _patch(torch.cuda, "device_count", lambda: 1)
+    _patch(torch.cuda, "set_device", lambda *a, **k: None)
+    _patch(torch.cuda, "manual_seed", lambda *a, **k: None)
+    # the RNG state saved with and restored from each checkpoint
+    _patch(torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state())
+    _patch(torch.cuda, "set_rng_state", lambda *a, **k: None)
+    # report_memory, after the first iterations
+    for counter in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
+        _patch(torch.cuda, counter, lambda *a, **k: 0)
+    # start-up: `make` of the dataset helpers (loaded by use_tree), fused CUDA kernels, and JIT
+    # warm-up runs of the fused kernels (25 s of inductor compilation on CPU)
+    from megatron.core.datasets import utils as dataset_utils
+    _patch(dataset_utils, "compile_helpers", lambda: None)
+    if hasattr(initialize, "fused_kernels"):  # 0.16 (0.17 stopped loading them)
+        _patch(initialize.fused_kernels, "load", lambda *a, **k: None)
+    _patch(training, "set_jit_fusion_options", lambda *a, **k: None)
+    # validate_args asks the GPU's compute capability whenever TP > 1
+    _patch(arguments, "get_device_arch_version", lambda: 9)
