@@ -175,6 +175,8 @@ class LazyCopy:
     from live sources in progress, so it returns once the state may change. CUDA sources are copied
     on a side stream that first waits for the work queued before the save call; `finish()` then
     only orders the caller's stream after the copies (no CPU wait), and the writer waits for them.
+    A CUDA copy is only queued when its pair is settled, so such a snapshot stays in flight (the
+    guard still calls `finish()`) until a stream is ordered after its copies or they have landed.
     """
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], name: str, live: bool = False,
@@ -209,7 +211,8 @@ class LazyCopy:
         if self._left == 0:
             self.ended = time.time()
             self._done.set()
-            _untrack(self)
+            if self._stream is None:  # CUDA copies are only queued: tracked until a stream is ordered after them
+                _untrack(self)
 
     def _copy(self, i: int) -> None:
         """Copy pair i (claimed as COPYING by the caller) into its buffer."""
@@ -257,6 +260,7 @@ class LazyCopy:
             return
         if self._stream is not None:
             torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+            _untrack(self)
 
     @contextlib.contextmanager
     def hold(self, buf: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -306,6 +310,9 @@ class LazyCopy:
                 if st == PENDING:
                     self._settle(i, DONE)
         self._done.wait()
+        if self._stream is not None:
+            self._stream.synchronize()  # every queued copy has landed: the state may change from here on
+            _untrack(self)
         self._raise_copy_error()
 
     def _raise_copy_error(self) -> None:
