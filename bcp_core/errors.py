@@ -111,3 +111,8 @@ class MissingExtraError(BCPError, ImportError):
         self.module = module
         self.extra = extra
         self.feature = feature
+
+
+class UnsupportedFrameworkError(BCPError, ImportError):
+    """An installed framework lacks an interface the integration relies on (a release it does not
+    support yet); raised at import, never by falling back to another format. Also an ImportError."""

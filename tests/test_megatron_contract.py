@@ -21,11 +21,12 @@ import traceback
 
 import pytest
 
-pytest.importorskip("megatron.core")
+import torch
 
-import torch  # noqa: E402
+import megatron_releases
+from dist import run_ranks
 
-from dist import run_ranks  # noqa: E402
+megatron_releases.skip_without_megatron_core()
 
 WORLD = 2
 
@@ -133,9 +134,13 @@ def _strict_cases(rank, world, root) -> dict:
     m["returned"] = (sorted(missing), sorted(unexpected))
 
     md = load_sharded_metadata(ckpt)
+    # 0.19 keeps its non-sharded values as the object "common_state" (torch_dist too); Megatron's
+    # own load leaves it out of the key checks
+    internal = sorted(k for k, v in md.items() if v.key == "common_state")
+    md = {k: v for k, v in md.items() if v.key != "common_state"}
     loaded = dc.load(md, ckpt, validate_access_integrity=False)
     out["sharded_metadata"] = {"keys": sorted(md), "base_keys": sorted({v.key for v in md.values()}),
-                               "values": _values(loaded)}
+                               "values": _values(loaded), "internal": internal}
     return out
 
 
@@ -261,11 +266,70 @@ def _write_error_cases(rank, world, root) -> dict:
     return out
 
 
-def _contract(rank: int, world: int, root: str) -> dict:
-    import bcp_integrations.megatron  # noqa: F401 - registers ("bcp", 1)
+def _written_format(ckpt: str) -> dict:
+    """What a save left in `ckpt`: the backend metadata.json names, and whose files are there."""
+    import json
+    with open(os.path.join(ckpt, "metadata.json")) as f:
+        backend = json.load(f)["sharded_backend"]
+    files = set(os.listdir(ckpt))
+    return {"backend": backend, "bcp": "bcp_metadata.json" in files, "torch_dist": ".metadata" in files}
+
+
+def _format_cases(rank, world, root) -> dict:
+    """Every way of asking dist_checkpointing for bcp writes bcp (0.17+ would swap in torch_dist),
+    and each backend's checkpoint loads whatever strategy the caller passes (0.17+ Megatron-LM
+    passes torch_dist's, wrapped in the fully parallel wrapper with --ckpt-fully-parallel-load)."""
+    from megatron.core import dist_checkpointing as dc
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (FullyParallelLoadStrategyWrapper,
+                                                                            FullyParallelSaveStrategyWrapper)
+    from megatron.core.dist_checkpointing.strategies.torch import (TorchDistLoadShardedStrategy,
+                                                                   TorchDistSaveShardedStrategy)
+
+    from bcp_integrations.megatron import BcpLoadShardedStrategy, BcpSaveShardedStrategy
+
+    def state(value):
+        return {"w": dc.ShardedTensor.from_rank_offsets("w", torch.full((2, 3), value + rank), (0, rank, world)),
+                "o": dc.ShardedObject("o", {"rank": rank}, (world,), (rank,), replica_id=0),
+                "common": {"step": int(value)}}
+
+    def saved(strategy, value, **kwargs):
+        ckpt = _dir(root, f"format_{value}")
+        request = dc.save(state(value), ckpt, sharded_strategy=strategy, **kwargs)
+        if request is not None:
+            request.execute_sync()
+        return ckpt
+    asks = {"tuple": ("bcp", 1), "object": BcpSaveShardedStrategy(),
+            "fully_parallel": FullyParallelSaveStrategyWrapper(BcpSaveShardedStrategy())}
+    out, ckpts = {}, {}
+    for i, (name, strategy) in enumerate(asks.items()):
+        ckpts[name] = saved(strategy, float(i))
+        out[name] = _written_format(ckpts[name])
+    ckpts["async"] = saved(("bcp", 1), 3.0, async_sharded_save=True)
+    out["async"] = _written_format(ckpts["async"])
+    with megatron_releases.torch_dist_on_cpu():
+        ckpts["torch_dist"] = saved(TorchDistSaveShardedStrategy(backend="torch_dist", version=1), 4.0)
+    out["torch_dist"] = _written_format(ckpts["torch_dist"])
+
+    loads = {"none": lambda: None, "bcp": BcpLoadShardedStrategy, "torch_dist": TorchDistLoadShardedStrategy,
+             "fully_parallel_torch_dist": lambda: FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy())}
+    out["loads"] = {}
+    for ckpt_name, value in (("object", 1.0), ("torch_dist", 4.0)):
+        for load_name, make in loads.items():
+            with megatron_releases.torch_dist_on_cpu():
+                got = dc.load(state(-1.0), ckpts[ckpt_name], sharded_strategy=make())
+            out["loads"][f"{ckpt_name}/{load_name}"] = (got["w"].tolist() == [[value + rank] * 3] * 2
+                                                        and got["o"] == {"rank": rank}
+                                                        and got["common"] == {"step": int(value)})
+    return out
+
+
+def _contract(rank: int, world: int, root: str, release: str) -> dict:
+    megatron_releases.activate(release)
+    import bcp_integrations.megatron  # noqa: F401 - routes dist_checkpointing's entry points
+    megatron_releases.check_active(release)
     report = {}
     for name, case in (("strict", _strict_cases), ("metadata", _metadata_cases), ("shapes", _shape_cases),
-                       ("saves", _save_cases), ("write_error", _write_error_cases)):
+                       ("saves", _save_cases), ("formats", _format_cases), ("write_error", _write_error_cases)):
         try:
             report[name] = case(rank, world, root)
         except Exception:  # noqa: BLE001 - reported to the test that owns the case
@@ -275,9 +339,10 @@ def _contract(rank: int, world: int, root: str) -> dict:
 
 # ----------------------------------------------------------------------------- tests
 
-@pytest.fixture(scope="module")
-def reports(tmp_path_factory):
-    return run_ranks(WORLD, _contract, str(tmp_path_factory.mktemp("megatron_contract")), timeout=150)
+@pytest.fixture(scope="module", params=megatron_releases.params())
+def reports(request, tmp_path_factory):
+    return run_ranks(WORLD, _contract, str(tmp_path_factory.mktemp("megatron_contract")), request.param,
+                     timeout=150)
 
 
 def _case(reports, name):
@@ -329,6 +394,7 @@ def test_checkpoint_keys_left_out_are_missing_keys_for_megatron(reports):
 def test_sharded_metadata_names_every_tensor_and_object_shard_and_loads(reports):
     for r in _case(reports, "strict"):
         md = r["sharded_metadata"]
+        assert md["internal"] in ([], ["common_state/shard_0_1"])
         assert md["base_keys"] == ["ObjA", "ObjB", "ObjT", "TenA", "TenB", "TenC"]
         assert md["keys"] == sorted(["TenA", "TenB", "TenC", "ObjA/shard_0_1", "ObjB/shard_0.0_1.2",
                                      "ObjB/shard_0.1_1.2", "ObjT/shard_0_2", "ObjT/shard_1_2"])
@@ -376,6 +442,15 @@ def test_views_cached_plans_uneven_ranks_and_fully_parallel_wrapper(reports):
         assert e["megatron"] and e["cause"] == "SaveError", e
         assert f"cfg/shard_{rank}_{WORLD}" in e["message"] and "_Config" in e["message"], e
         assert "BcpSaveShardedStrategy(allow_pickle=True)" in e["message"], e
+
+
+def test_every_way_of_asking_for_bcp_writes_bcp_and_loads_route_by_the_checkpoint(reports):
+    for rank, r in enumerate(_case(reports, "formats")):
+        for name in ("tuple", "object", "fully_parallel", "async"):
+            assert r[name] == {"backend": "bcp", "bcp": True, "torch_dist": False}, (rank, name, r)
+        assert r["torch_dist"]["backend"] == "torch_dist" and r["torch_dist"]["torch_dist"], (rank, r)
+        assert not r["torch_dist"]["bcp"]
+        assert all(r["loads"].values()) and len(r["loads"]) == 8, (rank, r["loads"])
 
 
 def test_write_failure_on_one_rank_fails_the_save_on_every_rank_sync_and_async(reports):

@@ -1,8 +1,9 @@
-"""bcp for Megatron-core / Megatron-LM (docs/megatron.md).
+"""bcp for Megatron-core / Megatron-LM, megatron-core 0.16 to 0.19 (docs/megatron.md).
 
-Importing this package registers the `("bcp", 1)` dist_checkpointing backend, so
-`dist_checkpointing.load` finds bcp checkpoints by their `metadata.json` and
-`dist_checkpointing.save(..., sharded_strategy=("bcp", 1))` writes them.
+Importing this package routes `megatron.core.dist_checkpointing`'s save and loads through bcp where
+asked (routing.py): `dist_checkpointing.save(..., sharded_strategy=("bcp", 1))` writes bcp, and
+`dist_checkpointing.load` reads a checkpoint whose `metadata.json` names bcp with bcp. A
+megatron-core without the interfaces this relies on fails here, at import.
 """
 
 from bcp_core.extras import require_extra
@@ -15,8 +16,9 @@ from .adapter import (build_factories, flat_range_sharded_tensors, load, load_st
 from .optimizer import fully_reshardable_param_state  # noqa: E402
 from .megatron_lm import add_ckpt_format_choice, bcp_selected, enable_megatron_lm  # noqa: E402
 from .preemption import exit_after_preemption  # noqa: E402
+from .routing import register_strategies  # noqa: E402
 from .strategy import (BACKEND, VERSION, BcpCheckpointingException, BcpLoadShardedStrategy,  # noqa: E402
-                       BcpSaveShardedStrategy, register_strategies)
+                       BcpSaveShardedStrategy)
 
 register_strategies()
 

@@ -1,29 +1,33 @@
-"""bcp as a Megatron-core dist_checkpointing backend: `("bcp", 1)`.
+"""bcp as a Megatron-core dist_checkpointing backend: `("bcp", 1)`, megatron-core 0.16 to 0.19.
 
-    from bcp_integrations.megatron import register_strategies
-    register_strategies()
+    import bcp_integrations.megatron        # routes dist_checkpointing's entry points (routing.py)
     dist_checkpointing.save(sharded_sd, ckpt_dir, sharded_strategy=("bcp", 1))
     dist_checkpointing.load(sharded_sd, ckpt_dir)          # picks bcp from metadata.json
 
-Megatron writes `common.pt` and `metadata.json` in `ckpt_dir`; bcp writes `bcp_metadata.json` and
-`data/`. Megatron writes `metadata.json` after the strategy returns (after the async request's
-finalize functions, for async saves), so a directory without it was never completed.
+Megatron writes `metadata.json` in `ckpt_dir` after the strategy returns (after the async request's
+finalize functions, for async saves), so a directory without it was never completed; bcp writes
+`bcp_metadata.json` and `data/`. Megatron's non-sharded values are in `common.pt` (written by
+Megatron up to 0.18) or, from 0.19 on, a bcp object (`read_common_state`).
+
+The strategies subclass Megatron's torch_dist ones: from 0.17 on, `dist_checkpointing.save` replaces
+any strategy that is not a `TorchDistSaveShardedStrategy` by a new torch_dist one, and 0.19 has no
+other base class left. Every method Megatron calls is overridden; nothing of torch_dist runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import CheckpointException as TorchCheckpointException
 from megatron.core.dist_checkpointing.core import CheckpointingException
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
-from megatron.core.dist_checkpointing.strategies.base import (AsyncSaveShardedStrategy, LoadShardedStrategy,
-                                                              StrategyAction, register_default_strategy)
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
+from megatron.core.dist_checkpointing.strategies import async_utils, torch as megatron_torch
+from torch.distributed.checkpoint import CheckpointException as TorchCheckpointException
 
 import bcp_core as bcp
 from bcp_core.comm import DEFAULT_TIMEOUT
@@ -33,6 +37,10 @@ from bcp_core.utils import this_rank
 from .adapter import load, save
 
 BACKEND, VERSION = "bcp", 1
+
+# 0.19 hands Megatron's non-sharded values to the strategy as this ShardedObject (earlier releases
+# write them to common.pt themselves).
+COMMON_STATE_KEY = "common_state"
 
 
 class BcpCheckpointingException(CheckpointingException, TorchCheckpointException):
@@ -66,16 +74,60 @@ def _translated(action: str, checkpoint_dir, fn: Callable, *args, **kwargs):
                                         {rank: (e, traceback.extract_tb(e.__traceback__))}) from e
 
 
-class BcpSaveShardedStrategy(AsyncSaveShardedStrategy):
+def _common_state_as_bytes(sharded_state_dict: dict) -> None:
+    """0.19's `common_state` ShardedObject holds Megatron's non-sharded values (its `args`
+    Namespace, enums, configs): stored as torch.save bytes, which `read_common_state` reads back
+    with torch.load(weights_only=True) under Megatron's safe globals, as torch_dist does. Only the
+    main replica is written."""
+    common = sharded_state_dict.get(COMMON_STATE_KEY)
+    if isinstance(common, ShardedObject) and is_main_replica(common.replica_id) \
+            and not isinstance(common.data, io.BytesIO):
+        buffer = io.BytesIO()
+        torch.save(common.data, buffer)
+        sharded_state_dict[COMMON_STATE_KEY] = dataclasses.replace(common, data=buffer)
+
+
+def read_common_state(checkpoint_dir) -> dict:
+    """Megatron's non-sharded values of a bcp checkpoint saved by megatron-core 0.19+ (earlier
+    releases keep them in common.pt). Reads on this rank alone: Megatron-LM asks on rank 0 only."""
+    target = ShardedObject(COMMON_STATE_KEY, None, (1,), (0,), replica_id=0)
+    loaded = _translated("load", checkpoint_dir, load, {COMMON_STATE_KEY: target}, checkpoint_dir, strict=True,
+                         share_reads=False)[COMMON_STATE_KEY]
+    if not isinstance(loaded, io.BytesIO):
+        raise CheckpointingException(f"{checkpoint_dir}: its {COMMON_STATE_KEY!r} object is not Megatron's "
+                                     f"common state (a {type(loaded).__name__})")
+    loaded.seek(0)
+    return torch.load(loaded, weights_only=True)
+
+
+def _async_request(finalize_fns: list, async_strategy: str | None):
+    """A request with no `async_fn`, of the class the caller's queue takes (Megatron's own, or
+    NVIDIA Resiliency Extension's for `async_strategy="nvrx"` where it is installed)."""
+    get_async_strategy = getattr(megatron_torch, "get_async_strategy", None)  # 0.17+
+    if get_async_strategy is not None and async_strategy is not None:
+        try:
+            request_cls = get_async_strategy(async_strategy)[1]["AsyncRequest"]
+        except ModuleNotFoundError:  # "nvrx" without the package: bcp needs no worker, Megatron's queue serves
+            request_cls = async_utils.AsyncRequest
+    else:
+        request_cls = async_utils.AsyncRequest
+    return request_cls(None, (), finalize_fns)
+
+
+class BcpSaveShardedStrategy(megatron_torch.TorchDistSaveShardedStrategy):
     """Writes Megatron's sharded state (ShardedTensors and ShardedObjects) as a bcp checkpoint.
 
     Replicated boxes are written once, by the least-loaded rank holding them, so wrapping this in
-    `FullyParallelSaveStrategyWrapper` is unnecessary (harmless: it only renumbers replica ids).
+    `FullyParallelSaveStrategyWrapper` is unnecessary (the routing unwraps it: from 0.17 on the
+    wrapper would record `torch_dist` in metadata.json).
     """
 
     def __init__(self, backend: str = BACKEND, version: int = VERSION, *, allow_pickle: bool = False,
                  num_threads: int | None = None, process_group=None, timeout: timedelta = DEFAULT_TIMEOUT):
-        super().__init__(backend, version)
+        if backend != BACKEND or version > VERSION:
+            raise CheckpointingException(f"BcpSaveShardedStrategy writes ({BACKEND!r}, {VERSION}), "
+                                         f"not ({backend!r}, {version})")
+        super().__init__(backend=BACKEND, version=VERSION)
         self.allow_pickle = allow_pickle
         self.num_threads = num_threads
         self.process_group = process_group
@@ -86,26 +138,30 @@ class BcpSaveShardedStrategy(AsyncSaveShardedStrategy):
         return True
 
     def _save(self, sharded_state_dict, checkpoint_dir, async_save: bool) -> bcp.SaveHandle:
+        _common_state_as_bytes(sharded_state_dict)
         return save(sharded_state_dict, checkpoint_dir, async_save=async_save, process_group=self.process_group,
                     allow_pickle=self.allow_pickle, num_threads=self.num_threads, timeout=self.timeout)
 
     def save(self, sharded_state_dict, checkpoint_dir) -> None:
         _translated("save", checkpoint_dir, lambda: self._save(sharded_state_dict, checkpoint_dir, False).wait())
 
-    def async_save(self, sharded_state_dict, checkpoint_dir) -> AsyncRequest:
+    def async_save(self, sharded_state_dict, checkpoint_dir, async_strategy: str | None = None):
         """Stage now (the only training stall) and write in bcp's background thread.
 
         Megatron runs `async_fn` in a forked or spawned process, which cannot see bcp's writer
         thread or join its planning collectives; so the request has no `async_fn`, and its
         finalize function — run by Megatron on every rank once the request is done — waits for
-        the bcp commit before Megatron writes `metadata.json`.
+        the bcp commit before Megatron writes `metadata.json`. `async_strategy` ("mcore", "nvrx")
+        only chooses the request's class.
         """
         handle = _translated("save", checkpoint_dir, self._save, sharded_state_dict, checkpoint_dir, True)
-        return AsyncRequest(async_fn=None, async_fn_args=(),
-                            finalize_fns=[lambda: _translated("save", checkpoint_dir, handle.wait)])
+        return _async_request([lambda: _translated("save", checkpoint_dir, handle.wait)], async_strategy)
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}({BACKEND}, {VERSION})"
 
 
-class BcpLoadShardedStrategy(LoadShardedStrategy):
+class BcpLoadShardedStrategy(megatron_torch.TorchDistLoadShardedStrategy):
     """Loads a bcp checkpoint into any Megatron layout (TP/PP/DP/EP may all differ from the save)."""
 
     def __init__(self, *, allow_pickle: bool = False, verify_checksums: bool = True, num_threads: int = 4,
@@ -129,15 +185,16 @@ class BcpLoadShardedStrategy(LoadShardedStrategy):
             raise CheckpointingException(f"bcp Megatron backend version {loaded_version} is newer than this "
                                          f"bcp's ({VERSION}); upgrade bcp")
 
-    def load(self, sharded_state_dict, checkpoint_dir):
+    def load(self, sharded_state_dict, checkpoint_dir, async_strategy: str | None = None):
         """Errors are `BcpCheckpointingException`s: a requested key the checkpoint lacks (what Megatron
         calls an unexpected key, left to the backend under its default `StrictHandling.ASSUME_OK_UNEXPECTED`),
-        a shape that differs without `allow_shape_mismatch`, a damaged checkpoint."""
+        a shape that differs without `allow_shape_mismatch`, a damaged checkpoint. `async_strategy`
+        (how the checkpoint's saver ran, passed by 0.17+) does not matter to bcp."""
         return _translated("load", checkpoint_dir, load, sharded_state_dict, checkpoint_dir, strict=True,
                            allow_pickle=self.allow_pickle, verify_checksums=self.verify_checksums,
                            num_threads=self.num_threads, mapping=self.mapping)
 
-    def load_tensors_metadata(self, checkpoint_dir: str | Path):
+    def load_tensors_metadata(self, checkpoint_dir: str | Path, metadata=None):
         """key -> data-less ShardedTensor with the saved global shape and dtype (one shard)."""
         return _tensors_metadata(_translated("metadata read", checkpoint_dir, bcp.inspect, str(checkpoint_dir)))
 
@@ -150,14 +207,16 @@ class BcpLoadShardedStrategy(LoadShardedStrategy):
         out.update(_tensors_metadata(md))
         return out
 
+    def remove_sharded_tensors(self, checkpoint_dir, key_prefix: str):
+        raise CheckpointingException(f"{checkpoint_dir} is a bcp checkpoint: bcp does not edit committed "
+                                     f"checkpoints in place (to drop {key_prefix!r}*, load what you keep and save "
+                                     "it anew)")
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}({BACKEND}, {VERSION})"
+
 
 def _tensors_metadata(md) -> dict:
     return {key: ShardedTensor.from_rank_offsets(key, torch.empty(tm.shape, dtype=tm.dtype,
                                                                   device="meta")).without_data()
             for key, tm in md.tensors.items()}
-
-
-def register_strategies() -> None:
-    """Register `("bcp", 1)` for saving and loading sharded state. Idempotent."""
-    register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION, BcpSaveShardedStrategy())
-    register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION, BcpLoadShardedStrategy())

@@ -1,0 +1,213 @@
+"""dist_checkpointing's entry points, routed to bcp by what the checkpoint is and what was asked.
+
+Megatron-core 0.16 chose a backend through a registry: `("bcp", 1)` named one, and a load found
+its strategy from the checkpoint's `metadata.json`. 0.17 removed the registry: `save` replaces any
+strategy that is not torch_dist's by a new torch_dist one (a `("bcp", 1)` save would silently write
+torch_dist), and `load`, `load_tensors_metadata` and `load_sharded_metadata` read with torch_dist
+whatever `metadata.json` says. `install()` wraps those four functions and `load_common_state_dict` (in `dist_checkpointing` and
+in its `serialization` module, where Megatron's own code calls them) so that on every release:
+
+- `save` writes bcp for `("bcp", 1)`, a `BcpSaveShardedStrategy`, and — in a Megatron-LM run with
+  `--ckpt-format bcp` — for the torch_dist strategy Megatron-LM builds. A bcp strategy inside
+  `FullyParallelSaveStrategyWrapper` is unwrapped (bcp balances replicated writes itself; from
+  0.17 on the wrapper records `torch_dist` in `metadata.json`). Once `metadata.json` is written,
+  rank 0 checks that it names bcp: a Megatron that swapped the strategy anyway fails loudly.
+- the three loads read a checkpoint whose `metadata.json` names bcp with bcp, whatever strategy
+  was passed (none, torch_dist's, or its fully parallel wrapper, whose exchange bcp does not need:
+  bcp reads each byte range once across the job by itself), and give a torch_dist checkpoint to
+  Megatron's default strategy when a bcp one was passed.
+- `load_common_state_dict` reads the non-sharded values of a bcp checkpoint saved by 0.19+, which
+  keeps them in the checkpoint itself rather than in common.pt (0.19 would read them with torch DCP).
+
+Any other strategy passes through untouched. `check_api()` fails at import, naming what is missing,
+when a Megatron release lacks what this relies on.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import os
+
+import torch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import serialization
+from megatron.core.dist_checkpointing.core import CheckpointingException, maybe_load_config
+from megatron.core.dist_checkpointing.strategies import fully_parallel
+from megatron.core.dist_checkpointing.strategies import torch as megatron_torch
+
+from bcp_core.errors import UnsupportedFrameworkError
+
+from . import megatron_lm
+from .strategy import BACKEND, VERSION, BcpLoadShardedStrategy, BcpSaveShardedStrategy, read_common_state
+
+SUPPORTED = "megatron-core 0.16 to 0.19"
+_LOADS = ("load", "load_tensors_metadata", "load_sharded_metadata")
+_ROUTED = "__bcp_routed__"
+
+
+def check_api() -> None:
+    """Raise UnsupportedFrameworkError naming every interface of megatron-core the routing needs
+    and this release lacks."""
+    missing = [f"dist_checkpointing.serialization.{name}(..., sharded_strategy)" for name in ("save", *_LOADS)
+               if "sharded_strategy" not in _parameters(getattr(serialization, name, None))]
+    for cls, methods in ((megatron_torch, ("TorchDistSaveShardedStrategy", "save", "async_save")),
+                         (megatron_torch, ("TorchDistLoadShardedStrategy", "load", "load_sharded_metadata")),
+                         (fully_parallel, ("FullyParallelSaveStrategyWrapper",)),
+                         (fully_parallel, ("FullyParallelLoadStrategyWrapper",))):
+        name, *attrs = methods
+        found = getattr(cls, name, None)
+        if found is None:
+            missing.append(f"{cls.__name__}.{name}")
+        missing += [f"{cls.__name__}.{name}.{a}" for a in attrs if found is not None and not hasattr(found, a)]
+    if missing:
+        version = getattr(importlib.import_module("megatron.core.package_info"), "__version__", "?")
+        raise UnsupportedFrameworkError(
+            f"bcp_integrations.megatron supports {SUPPORTED}; this megatron-core ({version}) lacks "
+            f"{', '.join(missing)}. Upgrade bcp-checkpoint, or install a supported megatron-core.")
+
+
+def _parameters(fn) -> tuple:
+    try:
+        return tuple(inspect.signature(fn).parameters) if fn is not None else ()
+    except (TypeError, ValueError):
+        return ()
+
+
+def _bcp_inside(strategy):
+    """The bcp strategy `strategy` is or wraps (Megatron's fully parallel wrappers), else None."""
+    inner = getattr(strategy, "base_strategy", strategy)
+    return inner if isinstance(inner, (BcpSaveShardedStrategy, BcpLoadShardedStrategy)) else None
+
+
+def _is_torch_dist(strategy, cls) -> bool:
+    """Megatron's own torch_dist strategy (`cls`), alone or in its fully parallel wrapper, or its tuple."""
+    if isinstance(strategy, (tuple, list)):
+        return len(strategy) > 0 and strategy[0] == "torch_dist"
+    return type(getattr(strategy, "base_strategy", strategy)) is cls
+
+
+def save_strategy_for(strategy):
+    """The strategy `save` should be given for `strategy`, as the module docstring says."""
+    if isinstance(strategy, (tuple, list)) and len(strategy) > 0 and strategy[0] == BACKEND:
+        version = strategy[1] if len(strategy) > 1 else VERSION
+        if version > VERSION:
+            raise CheckpointingException(f"({BACKEND!r}, {version}) is newer than this bcp's ({BACKEND!r}, "
+                                         f"{VERSION}); upgrade bcp-checkpoint")
+        return BcpSaveShardedStrategy()
+    inner = _bcp_inside(strategy)
+    if isinstance(inner, BcpSaveShardedStrategy):
+        return inner
+    if megatron_lm.bcp_selected() and (strategy is None or _is_torch_dist(
+            strategy, megatron_torch.TorchDistSaveShardedStrategy)):
+        return BcpSaveShardedStrategy()
+    return strategy
+
+
+def load_strategy_for(checkpoint_dir, strategy):
+    """The strategy a load of `checkpoint_dir` should be given for `strategy`."""
+    config = maybe_load_config(str(checkpoint_dir))
+    if config is None:
+        return strategy  # not a dist checkpoint: Megatron's own error names it
+    if config.sharded_backend == BACKEND:
+        inner = _bcp_inside(strategy)
+        if isinstance(inner, BcpLoadShardedStrategy):
+            return inner
+        if strategy is None or _is_torch_dist(strategy, megatron_torch.TorchDistLoadShardedStrategy):
+            return BcpLoadShardedStrategy()
+        return strategy
+    if _bcp_inside(strategy) is not None:
+        return None  # a torch_dist (or other) checkpoint: Megatron's default strategy for it
+    return strategy
+
+
+def _check_metadata_names_bcp(checkpoint_dir) -> None:
+    """After a bcp save's `metadata.json` is written: it must name bcp (rank 0 reads it)."""
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    config = maybe_load_config(str(checkpoint_dir))
+    backend = None if config is None else config.sharded_backend
+    if backend != BACKEND:
+        raise CheckpointingException(
+            f"{checkpoint_dir}: saved with a bcp strategy, but its metadata.json names {backend!r}: this "
+            f"megatron-core replaced the strategy ({SUPPORTED} are supported); the directory is not a bcp "
+            "checkpoint")
+
+
+def _routed_save(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def save(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        strategy = save_strategy_for(bound.arguments.get("sharded_strategy"))
+        bound.arguments["sharded_strategy"] = strategy
+        request = original(*bound.args, **bound.kwargs)
+        if isinstance(strategy, BcpSaveShardedStrategy):
+            checkpoint_dir = bound.arguments["checkpoint_dir"]
+            if request is None:
+                _check_metadata_names_bcp(checkpoint_dir)
+            else:  # after Megatron's metadata.json finalize, before any the caller adds
+                request.finalize_fns.append(lambda: _check_metadata_names_bcp(checkpoint_dir))
+        return request
+    return save
+
+
+def _routed_load(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def load(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["sharded_strategy"] = load_strategy_for(bound.arguments["checkpoint_dir"],
+                                                                bound.arguments.get("sharded_strategy"))
+        return original(*bound.args, **bound.kwargs)
+    return load
+
+
+def register_strategies() -> None:
+    """Route dist_checkpointing's save and loads (module docstring); on releases with a strategy
+    registry (0.16) also register `("bcp", 1)` there, for code that looks strategies up by name.
+    Idempotent; importing `bcp_integrations.megatron` calls it."""
+    install()
+    base = _registry()
+    if base is not None:
+        base.register_default_strategy(base.StrategyAction.SAVE_SHARDED, BACKEND, VERSION, BcpSaveShardedStrategy())
+        base.register_default_strategy(base.StrategyAction.LOAD_SHARDED, BACKEND, VERSION, BcpLoadShardedStrategy())
+
+
+def _registry():
+    """megatron-core's strategy registry module (0.16), or None (0.17 removed it, 0.19 the module)."""
+    try:
+        base = importlib.import_module("megatron.core.dist_checkpointing.strategies.base")
+    except ImportError:
+        return None
+    return base if hasattr(base, "register_default_strategy") else None
+
+
+def _routed_common_state(original):
+    @functools.wraps(original)
+    def load_common_state_dict(checkpoint_dir, *args, **kwargs):
+        config = maybe_load_config(str(checkpoint_dir))
+        if config is not None and config.sharded_backend == BACKEND and \
+                not os.path.exists(os.path.join(str(checkpoint_dir), "common.pt")):
+            return read_common_state(checkpoint_dir)
+        return original(checkpoint_dir, *args, **kwargs)
+    return load_common_state_dict
+
+
+def install() -> None:
+    """Route dist_checkpointing's save and loads (module docstring). Idempotent."""
+    check_api()
+    routes = (("save", _routed_save), *((n, _routed_load) for n in _LOADS),
+              ("load_common_state_dict", _routed_common_state))
+    for name, wrap in routes:
+        original = getattr(serialization, name)
+        if getattr(original, _ROUTED, False):
+            continue
+        routed = wrap(original)
+        setattr(routed, _ROUTED, True)
+        setattr(serialization, name, routed)
+        if getattr(dist_checkpointing, name, None) is original:
+            setattr(dist_checkpointing, name, routed)
