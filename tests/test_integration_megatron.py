@@ -14,13 +14,13 @@ import os
 import zlib
 
 import pytest
+import torch
 
-pytest.importorskip("megatron.core")
+import bcp_core as bcp
+import megatron_releases
+from dist import run_ranks
 
-import torch  # noqa: E402
-
-import bcp_core as bcp  # noqa: E402
-from dist import run_ranks  # noqa: E402
+megatron_releases.skip_without_megatron_core()
 
 SENTINEL = -3.0
 
@@ -93,16 +93,6 @@ def _gpt(tp: int, pp: int):
                     share_embeddings_and_output_weights=False)
 
 
-def _torch_dist_on_cpu():
-    """What Megatron's torch_dist backend needs on CPU: no-ops for the two CUDA calls it makes even
-    for CPU tensors (notes §4), and leave to start its writer-results Manager process, which a
-    daemonic test rank may not do."""
-    import multiprocessing
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_device = lambda: "cpu"
-    multiprocessing.current_process()._config["daemon"] = False
-
-
 def _dir(root: str, name: str) -> str:
     path = os.path.join(root, name)
     os.makedirs(path, exist_ok=True)
@@ -112,10 +102,12 @@ def _dir(root: str, name: str) -> str:
 
 # ----------------------------------------------------------------------------- GPT layouts
 
-def _gpt_layouts(rank, world_size, root):
+def _gpt_layouts(rank, world_size, root, release):
+    megatron_releases.activate(release)
     from megatron.core import dist_checkpointing as dcp
 
-    import bcp_integrations.megatron  # noqa: F401 - registers ("bcp", 1)
+    import bcp_integrations.megatron  # noqa: F401 - routes dist_checkpointing's entry points
+    megatron_releases.check_active(release)
 
     out: dict = {}
 
@@ -144,9 +136,8 @@ def _gpt_layouts(rank, world_size, root):
     out["async_finalized"] = queue.maybe_finalize_async_calls(blocking=True)
     torch.cuda.current_device = saved_cuda[1]
     _fill(model.sharded_state_dict())
-    _torch_dist_on_cpu()
-    dcp.save(model.sharded_state_dict(), _dir(root, "torch_dist"), sharded_strategy=("torch_dist", 1))
-    torch.cuda.synchronize, torch.cuda.current_device = saved_cuda
+    with megatron_releases.torch_dist_on_cpu():
+        dcp.save(model.sharded_state_dict(), _dir(root, "torch_dist"), sharded_strategy=("torch_dist", 1))
 
     # TP2xPP1 -> TP1xPP2, then save at PP=2
     model = _gpt(1, 2)
@@ -172,9 +163,9 @@ def _gpt_layouts(rank, world_size, root):
     _fill(model.sharded_state_dict(), SENTINEL)
     from_bcp = [t.clone() for t in (sh.data for sh in _sharded_tensors(
         _loaded_into(dcp, model, os.path.join(root, "tp2"))))]
-    _torch_dist_on_cpu()
-    from_td = [sh.data.clone() for sh in _sharded_tensors(_loaded_into(dcp, model, os.path.join(root, "torch_dist")))]
-    torch.cuda.synchronize, torch.cuda.current_device = saved_cuda
+    with megatron_releases.torch_dist_on_cpu():
+        from_td = [sh.data.clone() for sh in _sharded_tensors(_loaded_into(dcp, model,
+                                                                          os.path.join(root, "torch_dist")))]
     keys = [sh.key for sh in _sharded_tensors(model.sharded_state_dict())]
     out["bcp_vs_torch_dist"] = {"differ": [k for k, a, b in zip(keys, from_bcp, from_td) if not torch.equal(a, b)],
                                 "n": min(len(from_bcp), len(from_td)),
@@ -197,10 +188,10 @@ def _loaded_into(dcp, model, path):
     return model.sharded_state_dict()
 
 
-@pytest.fixture(scope="module")
-def gpt_run(tmp_path_factory):
+@pytest.fixture(scope="module", params=megatron_releases.params())
+def gpt_run(request, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("megatron_gpt"))
-    results = run_ranks(2, _gpt_layouts, root, timeout=240)
+    results = run_ranks(2, _gpt_layouts, root, request.param, timeout=240)
     return root, results
 
 
@@ -245,12 +236,15 @@ def test_bcp_and_torch_dist_load_identical_values(gpt_run):
 def test_checkpoint_is_a_megatron_and_a_bcp_checkpoint(gpt_run):
     root, results = gpt_run
     path = os.path.join(root, "tp2")
-    assert {"metadata.json", "common.pt", "bcp_metadata.json", "data"} <= set(os.listdir(path))
+    assert {"metadata.json", "bcp_metadata.json", "data"} <= set(os.listdir(path))
     import json
     with open(os.path.join(path, "metadata.json")) as f:
         assert json.load(f)["sharded_backend"] == "bcp"
     md = bcp.inspect(path)
     assert md.framework == "megatron"
+    # Megatron's non-sharded values: common.pt (written by Megatron up to 0.18), or bcp's object (0.19+)
+    assert os.path.exists(os.path.join(path, "common.pt")) != ("common_state/shard_0_1" in md.sharded_objects)
+    assert not os.path.exists(os.path.join(path, ".metadata"))  # nothing of torch_dist
     # replicated boxes written once, by both ranks (balanced), never all by the coordinator
     ranks = {p.rank for tm in md.tensors.values() for p in tm.pieces}
     assert ranks == {0, 1}
@@ -340,7 +334,8 @@ def _skewed(n, dp):
     return list(zip(cut[:-1], cut[1:]))
 
 
-def _optimizer_layouts(rank, world_size, root):
+def _optimizer_layouts(rank, world_size, root, release):
+    megatron_releases.activate(release)
     from megatron.core import dist_checkpointing as dcp
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
@@ -480,9 +475,10 @@ def _gpt_optimizer(rank, root):
     return result
 
 
-@pytest.fixture(scope="module")
-def optimizer_run(tmp_path_factory):
-    return run_ranks(2, _optimizer_layouts, str(tmp_path_factory.mktemp("megatron_optim")), timeout=180)
+@pytest.fixture(scope="module", params=megatron_releases.params())
+def optimizer_run(request, tmp_path_factory):
+    return run_ranks(2, _optimizer_layouts, str(tmp_path_factory.mktemp("megatron_optim")), request.param,
+                     timeout=180)
 
 
 @pytest.mark.parametrize("case", ["tp1dp2_to_tp2dp1", "tp2dp1_to_tp1dp2", "tp1dp2_to_tp1dp2_skewed"])
@@ -557,25 +553,40 @@ def test_ckpt_format_bcp_parses_as_the_dist_checkpointing_path():
     megatron_lm._state["selected"] = False
 
 
-def test_enable_megatron_lm_routes_saves_through_bcp(monkeypatch):
-    pytest.importorskip("megatron.training", reason="Megatron-LM (megatron.training) is not installed: "
-                        "megatron-core on PyPI ships no training loop")
+_MEGATRON_LM_ARGS = r"""
+import sys
+from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from megatron.training import arguments
+from bcp_integrations.megatron import BcpSaveShardedStrategy, bcp_selected, enable_megatron_lm, routing
+enable_megatron_lm()
+sys.argv = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            *sys.argv[1:]]
+args = arguments.parse_args(ignore_unknown_args=True)  # what the early parses (in-process restart) call
+torch_dist = TorchDistSaveShardedStrategy(backend="torch_dist", version=1)
+routed = [routing.save_strategy_for(s) for s in (None, torch_dist, FullyParallelSaveStrategyWrapper(torch_dist))]
+print(args.ckpt_format, bcp_selected(), [type(s).__name__ for s in routed])
+"""
+
+
+@pytest.mark.parametrize("release", megatron_releases.params(need_tree=True))
+def test_enable_megatron_lm_makes_every_save_of_the_run_bcp(release):
+    """Megatron-LM's own argument parser (each release) takes --ckpt-format bcp, and every save
+    strategy Megatron-LM builds (looked up, constructed, wrapped) is routed to bcp; without the flag,
+    none is."""
+    import subprocess
     import sys
-
-    from megatron.training import checkpointing, initialize
-
-    from bcp_integrations.megatron import BcpSaveShardedStrategy, enable_megatron_lm, megatron_lm
-    enable_megatron_lm()
-    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--ckpt-format", "bcp", "--num-layers", "2",
-                                      "--hidden-size", "32", "--num-attention-heads", "4"])
-    megatron_lm._state["selected"] = False
-    try:
-        args = initialize.parse_args(None, False)  # what initialize_megatron calls inside pretrain()
-        assert args.ckpt_format == "torch_dist" and megatron_lm.bcp_selected()
-        assert isinstance(checkpointing.get_default_save_sharded_strategy(args.ckpt_format), BcpSaveShardedStrategy)
-    finally:
-        megatron_lm._state["selected"] = False
-    assert not isinstance(checkpointing.get_default_save_sharded_strategy("torch_dist"), BcpSaveShardedStrategy)
+    env = {**os.environ, **megatron_releases.env(release, need_tree=True)}
+    out = {}
+    for flag in ("bcp", "torch_dist"):
+        proc = subprocess.run([sys.executable, "-c", _MEGATRON_LM_ARGS, "--ckpt-format", flag], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        out[flag] = proc.stdout.strip().splitlines()[-1]
+    assert out["bcp"] == "torch_dist True ['BcpSaveShardedStrategy', 'BcpSaveShardedStrategy', " \
+                         "'BcpSaveShardedStrategy']", out
+    assert out["torch_dist"] == "torch_dist False ['NoneType', 'TorchDistSaveShardedStrategy', " \
+                                "'FullyParallelSaveStrategyWrapper']", out
 
 
 def test_export_tool_writes_megatron_checkpoint_as_safetensors(gpt_run, tmp_path):
