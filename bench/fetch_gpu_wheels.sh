@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Fetches, here, the wheels bench/gpu_check.sh installs on a lent GPU machine (CPython 3.12, x86-64,
+# no network there) into .whl/, which git ignores and the device tool's run carries (carry [".whl"]).
+#
+#     bash bench/fetch_gpu_wheels.sh
+#
+# Keeps one version of each (two would stop the install there), prints what each wheel requires
+# (to check against the machine's package list, /work/.library/device/KINDS.md) and fails if the
+# wheels and the working tree together pass the 64 MiB a run carries.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-.venv/bin/python}
+[ -x "$py" ] || py=python3
+wheels=$(bash bench/gpu_check.sh --print-wheels)
+mkdir -p .whl
+for w in $wheels; do  # other versions of the same package go
+    stem=$(echo "${w%%==*}" | tr - _)
+    find .whl -maxdepth 1 -name "${stem}-*.whl" ! -name "${stem}-${w##*==}-*" -print -delete
+done
+# shellcheck disable=SC2086
+"$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $wheels
+for f in .whl/*.whl; do
+    echo "$(basename "$f") ($(du -k "$f" | cut -f1) KiB) requires:" \
+        "$(unzip -p "$f" '*.dist-info/METADATA' | grep '^Requires-Dist' | grep -v 'extra ==' | cut -d' ' -f2- |
+           tr '\n' ';')"
+done
+wheels_kib=$(du -sk .whl | cut -f1)
+tree_kib=$(git ls-files -z --cached --others --exclude-standard | du -ck --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+echo "wheels ${wheels_kib} KiB + working tree ${tree_kib} KiB = $(((wheels_kib + tree_kib) / 1024)) MiB of the 64 MiB a run carries"
+[ $((wheels_kib + tree_kib)) -le $((64 * 1024)) ] || { echo "too large to carry" >&2; exit 1; }

@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# The GPU check (issue #32) as one command for a lent GPU machine; docs/gpu.md says how to call it.
+#
+#     bash bench/gpu_check.sh OUT             on the GPU machine (the device tool's run, OUT=$OUT)
+#     bash bench/gpu_check.sh OUT --cpu       here: the same steps on CPU (the cuda tests' twins, a tiny bench)
+#     bash bench/gpu_check.sh --print-wheels  the wheels it installs (bench/fetch_gpu_wheels.sh fetches them)
+#
+# Without network: installs the wheels carried in .whl/ and bcp from this working tree, runs
+# tests/test_cuda.py (a GPU torch cannot see is a failure there) and bench/gpu.py within
+# BCP_GPU_CHECK_S seconds (480), and writes into OUT: summary.txt, env.txt, pytest.txt,
+# pytest_junit.xml, bench_gpu.json, bench_gpu.txt. Exit status 0 only if the tests and the bench passed.
+set -uo pipefail
+
+WHEELS="megatron-core==0.16.1 tenacity==9.2.1"  # what bcp's tests need that the GPU machine's image lacks
+TOTAL_S=${BCP_GPU_CHECK_S:-480}   # everything, from the install to the summary
+TESTS_S=${BCP_GPU_TESTS_S:-240}   # the tests at most (0: no tests); the bench gets what is left
+BENCH_GIB=${BCP_GPU_GIB:-1,4,16}  # state sizes of the bench, smallest first
+
+if [ "${1:-}" = --print-wheels ]; then
+    echo "$WHEELS"
+    exit 0
+fi
+out=${1:?usage: bash bench/gpu_check.sh OUT_DIR [--cpu] | --print-wheels}
+mode=${2:-gpu}
+cd "$(dirname "$0")/.." || exit 2
+repo=$PWD
+mkdir -p "$out" && out=$(cd "$out" && pwd) || exit 2
+start=$SECONDS
+note() { echo "[gpu_check $((SECONDS - start))s] $*" | tee -a "$out/summary.txt"; }
+
+if [ "$mode" = gpu ]; then
+    py=python3
+    missing=
+    for w in $WHEELS; do
+        stem=$(echo "${w%%==*}" | tr - _)
+        ls ".whl/${stem}-${w##*==}-"*.whl >/dev/null 2>&1 || missing="$missing $w"
+    done
+    if [ -n "$missing" ]; then
+        note "missing in .whl/:$missing (run bash bench/fetch_gpu_wheels.sh beforehand and carry .whl)"
+        exit 2
+    fi
+    # the carried wheels into a directory of their own (the image's packages stay as they are)
+    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/bcp_site \
+        .whl/*.whl >>"$out/env.txt" 2>&1 || { note "installing the carried wheels failed (env.txt)"; exit 2; }
+    export PYTHONPATH=/tmp/bcp_site:$repo${PYTHONPATH:+:$PYTHONPATH}
+    $py -m pip install -q --no-index --no-deps --no-build-isolation -e . >>"$out/env.txt" 2>&1 ||
+        note "pip install -e . failed (env.txt); bcp is imported from the working tree (PYTHONPATH)"
+    export BCP_REQUIRE_CUDA=1
+    tests="cuda"  # the CPU twins ran where the suite runs
+    bench_args="--device cuda --gib $BENCH_GIB"
+else
+    py=${PYTHON:-$repo/.venv/bin/python}
+    [ -x "$py" ] || py=python3
+    # the carried wheels as the GPU machine's pip sees them (CPython 3.12, x86-64), nothing installed
+    $py -m pip install -q --dry-run --no-index --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 --target /tmp/bcp_site_check .whl/*.whl \
+        >>"$out/env.txt" 2>&1 || { note "the carried wheels do not install for CPython 3.12 x86-64 (env.txt)"; exit 2; }
+    tests=""  # every test of the file, the slow cpu twins too
+    bench_args="--device cpu --gib 0.0005,0.001 --hidden 128 --steps 6 --every 2 --step-ms 5"
+fi
+export PYTHONUNBUFFERED=1
+
+$py - >>"$out/env.txt" 2>&1 <<'EOF'
+import importlib.metadata as md, platform, sys
+import torch
+print("python", sys.version.split()[0], platform.machine(), "torch", torch.__version__, "cuda", torch.version.cuda)
+print("devices", [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
+for name in ("bcp-checkpoint", "megatron-core", "tenacity", "transformers", "safetensors", "fsspec", "xxhash", "tqdm",
+             "numpy", "pytest", "pytest-xdist", "pytest-timeout", "packaging"):
+    try:
+        print(name, md.version(name))
+    except md.PackageNotFoundError:
+        print(name, "missing")
+EOF
+{ nvidia-smi 2>&1 | head -15; df -h /tmp | tail -1; free -g 2>/dev/null | head -2; } >>"$out/env.txt"
+note "$(grep -E '^(python|devices)' "$out/env.txt" | tr '\n' ' ')"
+
+# 1. the tests marked cuda (here: every test of the file), serially: they share the one GPU; a test
+#    that hangs is stopped by pytest-timeout after 150 s, the whole run after TESTS_S
+tests_rc=0
+if [ "$TESTS_S" -gt 0 ]; then
+    timeout -k 10 "$TESTS_S" $py -m pytest tests/test_cuda.py -o addopts="" -o timeout=150 -n 0 -p no:cacheprovider \
+        -m "$tests" -rfEs --junitxml="$out/pytest_junit.xml" >"$out/pytest.txt" 2>&1
+    tests_rc=$?
+    [ $tests_rc = 124 ] && note "pytest stopped at its limit of ${TESTS_S}s"
+    note "pytest (status $tests_rc): $(tail -1 "$out/pytest.txt")"
+    grep -E '^(FAILED|ERROR)' "$out/pytest.txt" | head -20 | while read -r line; do note "  $line"; done
+else
+    note "tests skipped (BCP_GPU_TESTS_S=0)"
+fi
+
+# 2. the bench, in what is left of the time
+left=$((TOTAL_S - (SECONDS - start) - 20))
+bench_rc=0
+if [ $left -lt 60 ]; then
+    note "no time left for the bench (${left}s)"
+    bench_rc=1
+else
+    timeout -k 10 "$left" $py bench/gpu.py $bench_args --budget-s $((left - 15)) --json "$out/bench_gpu.json" \
+        >"$out/bench_gpu.txt" 2>&1
+    bench_rc=$?
+    note "bench (status $bench_rc, ${left}s allowed)"
+    $py - "$out/bench_gpu.json" 2>&1 <<'EOF' | tee -a "$out/summary.txt"
+import json, sys
+try:
+    table = json.load(open(sys.argv[1]))
+except (OSError, ValueError) as e:
+    sys.exit(f"  no bench table: {e}")
+print(f"  {table['config']['device_name']}, torch {table['config']['torch']}, {table['total_s']:.0f} s")
+
+
+def secs(xs):
+    return ", ".join("-" if x is None else f"{x:.3f}" for x in xs)
+
+
+for gib, size in table["sizes"].items():
+    print(f"  {gib} GiB: {size['state_gib']:.2f} GiB in {size['tensors']} tensors, {size['rows']} rows a step")
+    for name in ("bcp", "bcp_prepared", "dcp"):
+        r = size.get(name)
+        if r is None:
+            continue
+        if "error" in r:
+            print(f"    {name}: failed: {r['error']}")
+            continue
+        print(f"    {name}: step {r['normal_step_s']:.3f} s; call {secs(r['save_call_s'])} s; durable "
+              f"{secs(r['durable_s'])} s; ckpt step / normal {r['first_ckpt_step_over_normal']:.2f} first, "
+              f"{r['later_ckpt_step_over_normal']:.2f} later; save {r['sync_save_gib_s']:.2f} GiB/s; load "
+              f"{r['load_cold_gib_s']:.2f} cold, {r['load_warm_gib_s']:.2f} warm GiB/s; exact {r['loaded_exactly']}; "
+              f"pinned {r['pinned_peak_gib']:.2f} GiB" + (f"; errors {r['errors']}" if r.get("errors") else ""))
+    print("    floors GiB/s: " + ", ".join(f"{k} {v:.2f}" for k, v in size["floors"].items() if k.endswith("gib_s")))
+    print("    ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in size["ratios"].items()))
+for s in table["skipped"]:
+    print(f"  skipped {s['gib']} GiB: {s['why']}")
+EOF
+fi
+note "done in $((SECONDS - start))s; results in $out"
+[ $tests_rc = 0 ] && [ $bench_rc = 0 ]
