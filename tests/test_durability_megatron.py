@@ -13,7 +13,6 @@ rank's shards as they were when the save was called. Finalizing is Megatron's st
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -22,10 +21,10 @@ import pytest
 import torch
 
 import bcp_core as bcp
+import megatron_releases
 from dist import Job, bcp_verify
 
-if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-    pytest.skip("megatron-core is not installed", allow_module_level=True)
+megatron_releases.skip_without_megatron_core()
 
 STEPS = 8
 JOB = "megatron_train.py"
@@ -37,11 +36,16 @@ def _path(root, iteration: int) -> str:
 
 
 def load_checkpoint(path: str) -> dict:
-    """Every tensor of the checkpoint, whole, by Megatron key (read without Megatron), and common.pt."""
+    """Every tensor of the checkpoint, whole, by Megatron key (read without Megatron), and Megatron's
+    common state (common.pt up to megatron-core 0.18, a bcp object from 0.19 on)."""
+    from bcp_integrations.megatron.strategy import read_common_state
     md = bcp.inspect(path)
     tensors = {key: torch.full(tm.shape, float("nan"), dtype=tm.dtype) for key, tm in md.tensors.items()}
     bcp.load(path, tensors)
-    common = torch.load(os.path.join(path, "common.pt"), weights_only=True)  # written by Megatron
+    if os.path.exists(os.path.join(path, "common.pt")):
+        common = torch.load(os.path.join(path, "common.pt"), weights_only=True)
+    else:
+        common = read_common_state(path)
     return {"tensors": tensors, "adam_step": common["adam_step"], "iteration": common["iteration"]}
 
 
@@ -64,16 +68,17 @@ def assert_holds_reference(root, iteration: int) -> dict:
     return got
 
 
-def _run(root, *args) -> tuple[int, str]:
-    job = Job(JOB, 2, "--root", str(root), *args)
+def _run(root, *args, release: str = megatron_releases.INSTALLED) -> tuple[int, str]:
+    job = Job(JOB, 2, "--root", str(root), *args, env=megatron_releases.env(release))
     return job.finish(timeout=240), job.output
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("release", megatron_releases.params())
 @pytest.mark.parametrize("end", ["finalize", *(pytest.param(e, marks=pytest.mark.slow)
                                              for e in ("script", "sys_exit", "exception"))])
-def test_async_save_on_the_queue_right_before_the_end_is_committed(tmp_path, end):
-    rc, out = _run(tmp_path, "--steps", str(STEPS), "--end", end)
+def test_async_save_on_the_queue_right_before_the_end_is_committed(tmp_path, end, release):
+    rc, out = _run(tmp_path, "--steps", str(STEPS), "--end", end, release=release)
     assert rc == (1 if end == "exception" else 0), out[-4000:]
     if end == "exception":
         assert "the training script failed after its last save" in out
