@@ -152,6 +152,9 @@ class Checkpointer:
         self._plans_lock = threading.Lock()  # the caller looks plans up while a save thread adds them
         self._pool = StagingPool()
         self._pending: deque[tuple[SaveHandle, SaveJob]] = deque()
+        # plans: the plans this rank learned (the coordinator: made), each counted once; cache_hits:
+        # the calls that found a cached plan for their structure, so staged only its boxes. A call made
+        # before the previous save's planning ended finds none, and its save may still reuse that plan.
         self.stats = {"plans": 0, "cache_hits": 0}
         # Data files are named <token>-<save number>-r<rank>_<k>: unique per job and save, so two
         # jobs writing one directory never overwrite each other's bytes. The coordinator's token
@@ -351,11 +354,14 @@ class Checkpointer:
 
     def _remember(self, key: str, plan: CachedPlan) -> None:
         with self._plans_lock:
+            known = self._plans.get(key)
             self._plans[key] = plan
             self._plans.move_to_end(key)
             while len(self._plans) > PLAN_CACHE_SIZE:
                 self._plans.popitem(last=False)
-        self.stats["plans"] += 1
+            # a plan sent again (to a rank whose call came before the plan arrived) is not a new one
+            if known is None or known.plan_id != plan.plan_id:
+                self.stats["plans"] += 1
 
     def _round(self, comm: Comm, job: SaveJob, op: str, request, decide):
         """One exchange: every rank's request up to the coordinator, its answer back down (the same

@@ -57,13 +57,19 @@ def _async_scenarios(rank, world_size, root):
     snapshots, handles = _saves_while_training(model, optim, os.path.join(root, "a"), "async-test")
     _assert_each_holds_its_call(handles, snapshots, rank, "async save")
 
-    # 2. Plan cache: the first save planned, the next two reused it with no planning collective.
+    # 2. Plan cache: the first save planned, the next two reused its plan (no rank learned another).
+    #    A call finds the plan in its cache (a hit: it stages only its own boxes) only if the previous
+    #    save's planning, in the background, has ended by then: back to back, that is up to the
+    #    scheduler (tests/reliability/test_save_protocol.py makes a call come first on purpose). Once
+    #    the saves were waited for, the next call hits, and its save needs no planning collective.
     out["plans"] = cp.stats["plans"]
-    out["hits"] = cp.stats["cache_hits"]
+    out["hits_back_to_back"] = hits = cp.stats["cache_hits"]
     comm = comm_for(None, "async-test")
     before = comm.collectives
     bcp.save(os.path.join(root, "a"), {"model": model, "optimizer": optim}, step=10, role="async-test").wait()
     out["collectives_cached_save"] = comm.collectives - before
+    out["hits_after_wait"] = cp.stats["cache_hits"] - hits
+    out["plans_cached_save"] = cp.stats["plans"]
     # a structural change (a new key) invalidates the cached plan
     bcp.save(os.path.join(root, "a"), {"model": model, "optimizer": optim, "extra": {"x": 1}}, step=11,
              role="async-test").wait()
@@ -125,8 +131,10 @@ def _async_scenarios(rank, world_size, root):
 def test_async_saves_plan_cache_and_errors(tmp_path):
     results = run_ranks(2, _async_scenarios, str(tmp_path))
     for r in results:
-        assert r["plans"] == 1 and r["hits"] == 2          # 3 saves of one structure: 1 plan
-        # one agreement round (every rank names the cached plan: "use it") + the commit round
+        assert r["plans"] == 1 and r["hits_back_to_back"] <= 2  # 3 saves of one structure: 1 plan
+        # a save called after the others ended hits; one agreement round (every rank names the cached
+        # plan: "use it") + the commit round
+        assert r["hits_after_wait"] == 1 and r["plans_cached_save"] == 1
         assert r["collectives_cached_save"] == 4
         assert r["plans_after_change"] == 2
         assert r["prepared_plans"] == 1

@@ -181,6 +181,7 @@ def _scenarios(rank, world_size, base):
         h2 = bcp.save(root, _state(rank, 2), step=2, async_save=True, role="early")
         out["early_cached"] = checkpointer.get_checkpointer("early").stats["cache_hits"]
         h2.wait()
+        out["early_plans"] = checkpointer.get_checkpointer("early").stats["plans"]
     out["early"] = _assert_each_step_whole(root)
 
     # 7. Ranks asked to save different steps (a bug in the caller's loop): refused on both ranks,
@@ -226,3 +227,4 @@ def test_faults_on_one_rank_never_mix_or_lose_saves(tmp_path):
         assert r["steps"] == []
         assert r["keep_rotated"] == [2, 3] and r["keep"] == [2, 3]
     assert results[0]["early_cached"] == 1 and results[1]["early_cached"] == 0  # the race really happened
+    assert [r["early_plans"] for r in results] == [1, 1]  # rank 1 got the one plan again: not a second plan
