@@ -5,14 +5,15 @@ turns the same kinds of objects into `LoadTarget`s: a tensor to fill in place or
 new value, plus finishers that hand the filled state back to optimizers and stateful objects.
 Building the targets changes nothing of the state: tensors are filled, setters and finishers run
 only once the whole load has been read and verified (bcp_core.loader).
-How a module or optimizer becomes FQN-keyed state is the adapter's business (bcp_core.adapters).
+How a module or optimizer becomes FQN-keyed state is the adapter's business: `StateAdapter` says
+what is asked of one (bcp_core.adapters.ModuleAdapter and its subclasses answer it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -20,9 +21,6 @@ from torch import nn
 from .errors import UnsupportedValueError
 from .metadata import CheckpointMetadata
 from .shards import ObjectShard, ShardedView, is_dtensor, is_tensor_like
-
-if TYPE_CHECKING:
-    from .adapters import ModuleAdapter
 
 PER_RANK_KEY = "extra_state"
 
@@ -61,13 +59,33 @@ class LoadTargets:
     structured: list[str] = field(default_factory=list)
 
 
+class StateAdapter(Protocol):
+    """What flattening asks of a framework adapter about the state's modules and optimizers."""
+
+    def module_state(self, module: nn.Module) -> dict[str, Any]:
+        """FQN -> tensor-like aliasing the live storage (saved from; loaded into in place)."""
+
+    def load_module_values(self, module: nn.Module, values: dict[str, Any]) -> None:
+        """Hand loaded non-tensor entries of `module_state` (get_extra_state) back to the module."""
+
+    def param_fqns(self, module: nn.Module) -> dict[int, str]:
+        """id(param) -> FQN of every parameter an optimizer may hold (tied params: first name)."""
+
+    def optimizer_state(self, opt: torch.optim.Optimizer, key: str, fqn_of: dict[int, str]) -> dict[str, Any]:
+        """Relative keys `state.<param fqn>.<name>` and `param_groups` for saving."""
+
+    def optimizer_targets(self, opt: torch.optim.Optimizer, key: str, fqn_of: dict[int, str],
+                          md: CheckpointMetadata, out: LoadTargets) -> None:
+        """Add load targets (and a finisher handing the state to the optimizer) to `out`."""
+
+
 # ----------------------------------------------------------------------------- flattening
 
 def _is_stateful(v: Any) -> bool:
     return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))
 
 
-def _fqn_map(adapter: ModuleAdapter, state: dict) -> dict[int, str]:
+def _fqn_map(adapter: StateAdapter, state: dict) -> dict[int, str]:
     out: dict[int, str] = {}
     for v in state.values():
         if isinstance(v, nn.Module):
@@ -99,7 +117,7 @@ def _parameter_storages(state: dict) -> set[int]:
     return out
 
 
-def save_leaves(state: dict, adapter: ModuleAdapter) -> list[SaveLeaf]:
+def save_leaves(state: dict, adapter: StateAdapter) -> list[SaveLeaf]:
     if not isinstance(state, dict):
         raise UnsupportedValueError(f"state must be a dict, got {type(state).__name__}")
     fqn_of = _fqn_map(adapter, state)
@@ -138,7 +156,7 @@ def save_leaves(state: dict, adapter: ModuleAdapter) -> list[SaveLeaf]:
     return leaves
 
 
-def load_targets(state: dict, md: CheckpointMetadata, adapter: ModuleAdapter) -> LoadTargets:
+def load_targets(state: dict, md: CheckpointMetadata, adapter: StateAdapter) -> LoadTargets:
     if not isinstance(state, dict):
         raise UnsupportedValueError(f"state must be a dict, got {type(state).__name__}")
     fqn_of = _fqn_map(adapter, state)

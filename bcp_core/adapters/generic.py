@@ -37,7 +37,8 @@ def clean_fqn(name: str) -> str:
 
 
 class ModuleAdapter:
-    """How one framework's modules and optimizers become FQN-keyed state, and back.
+    """How one framework's modules and optimizers become FQN-keyed state, and back (what
+    `bcp_core.flatten.StateAdapter` asks), its name, and which modules it recognises.
 
     This base class serves plain modules, DDP, torch.compile, activation checkpointing and every
     DTensor layout (FSDP2, TP, HSDP): their state dicts already hold tensors whose boxes bcp can
@@ -51,28 +52,23 @@ class ModuleAdapter:
         return True
 
     def module_state(self, module: nn.Module) -> dict[str, Any]:
-        """FQN -> tensor-like aliasing the live storage (saved from; loaded into in place)."""
         sd = unwrap(module).state_dict()
         return {clean_fqn(k): v for k, v in sd.items()}
 
     def load_module_values(self, module: nn.Module, values: dict[str, Any]) -> None:
-        """Hand loaded non-tensor entries of `module_state` (get_extra_state) back to the module."""
         unwrap(module).load_state_dict(values, strict=False)
 
     def param_fqns(self, module: nn.Module) -> dict[int, str]:
-        """id(param) -> FQN of every parameter an optimizer may hold (tied params: first name)."""
         out: dict[int, str] = {}
         for name, p in unwrap(module).named_parameters():
             out.setdefault(id(p), clean_fqn(name))
         return out
 
     def optimizer_state(self, opt: torch.optim.Optimizer, key: str, fqn_of: dict[int, str]) -> dict[str, Any]:
-        """Relative keys `state.<param fqn>.<name>` and `param_groups` for saving."""
         return optimizer_leaves(opt, key, fqn_of)
 
     def optimizer_targets(self, opt, key: str, fqn_of: dict[int, str], md: CheckpointMetadata,
                           out: LoadTargets) -> None:
-        """Add load targets (and a finisher handing the state to the optimizer) to `out`."""
         optimizer_targets(opt, key, fqn_of, md, out)
 
 
