@@ -86,9 +86,9 @@ class Trainer:
         self.hidden, self.layers, self.x = hidden, layers, None
 
     def set_rows(self, rows: int) -> None:
-        self.x = None
-        self.x = torch.randn(rows, self.hidden, generator=torch.Generator().manual_seed(1)).to(
-            device=self.device, dtype=torch.bfloat16)
+        self.x = None  # the previous batch goes first (device memory)
+        self.x = torch.randn(rows, self.hidden, generator=torch.Generator(self.device).manual_seed(1),
+                             device=self.device, dtype=torch.bfloat16)
 
     def step(self, before_optimizer=None) -> None:
         h = self.x
