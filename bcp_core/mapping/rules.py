@@ -9,14 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 from ..errors import MappingError
 from ..metadata import CheckpointMetadata, TensorMeta
 from ..shards import intersect
-
-if TYPE_CHECKING:
-    from .mapped_read import MappedCheckpoint
 
 Shape = tuple  # of int, or None for "any size that holds what is read" (a padded vocabulary)
 
@@ -146,11 +142,11 @@ class Mapping:
 
     def bind(self, md: CheckpointMetadata, storage=None,
              check_files: Callable[[str, TensorMeta], None] = lambda fqn, tm: None,
-             optimizer: bool = True) -> MappedCheckpoint:
-        """This mapping applied to the checkpoint `md` (in `storage`): the metadata the load sees
-        (target keys, shapes, dtypes) and the source byte ranges behind each target box. Checks every
-        source against the declaration first. `optimizer=False`: the weights only (an export)."""
-        from .mapped_read import MappedCheckpoint
+             optimizer: bool = True):
+        """This mapping applied to the checkpoint `md` (in `storage`), a `MappedCheckpoint`: the metadata
+        the load sees (target keys, shapes, dtypes) and the source byte ranges behind each target box.
+        Checks every source against the declaration first. `optimizer=False`: the weights only (an export)."""
+        from .mapped_read import MappedCheckpoint  # the layer that reads; it imports this one
         return MappedCheckpoint(self, md, storage, check_files, optimizer)
 
 
