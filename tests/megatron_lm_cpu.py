@@ -34,19 +34,14 @@ def trees_root() -> str | None:
     return root if root and os.path.isdir(root) else None
 
 
-def release_tuple(tree: str) -> tuple[int, ...]:
-    """(0, 19, 0) for .../core_v0.19.0."""
-    name = os.path.basename(os.path.normpath(tree))
-    if not name.startswith("core_v"):
-        raise ValueError(f"{tree}: not a Megatron-LM tree named core_v<version>")
-    return tuple(int(x) for x in name[len("core_v"):].split("."))
+def site_packages() -> str:
+    return sysconfig.get_paths()["purelib"]
 
 
 def _wheel_helpers_so() -> str:
     """The installed megatron-core wheel's compiled dataset helpers (helpers.cpp is the same source
     in 0.16.1, 0.17.1 and 0.19.0; the trees hold it uncompiled)."""
-    found = sorted(glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "megatron", "core", "datasets",
-                                          "helpers_cpp*.so")))
+    found = sorted(glob.glob(os.path.join(site_packages(), "megatron", "core", "datasets", "helpers_cpp*.so")))
     if not found:
         raise RuntimeError("no megatron/core/datasets/helpers_cpp*.so in site-packages: install megatron-core")
     return found[0]
@@ -122,3 +117,57 @@ def install() -> None:
     _patch(training, "set_jit_fusion_options", lambda *a, **k: None)
     # validate_args asks the GPU's compute capability whenever TP > 1
     _patch(arguments, "get_device_arch_version", lambda: 9)
+    _distributed_optimizer_with_torch_adam()
+
+
+def _distributed_optimizer_with_torch_adam() -> None:
+    """Megatron's DistributedOptimizer around torch's Adam (no Apex or Transformer Engine on CPU).
+
+    Without Apex/TE it keeps Adam's step in each parameter's state (TE's FusedAdam keeps it in the
+    param groups) and asserts that every state holds one; the paths of a checkpoint load break that:
+    - `state_dict()` before any step (Megatron-LM builds the load's sharded state dict before the
+      first step): no state holds a step yet; Adam's is 0 then.
+    - `load_state_dict()` gives every parameter the same step tensor, which torch's Adam then
+      increments once per parameter per step: each gets its own copy.
+    - in fp32 the main parameters the load copies into are views of the model's parameters, leaves
+      that require grad: the load runs under no_grad.
+    - the dp_reshardable load copies each parameter's pre-load state back over the loaded one,
+      the step included (a LocalNonpersistentObject: the value before the load, not the
+      checkpoint's): the step `load_state_dict()` set from the checkpoint is kept.
+    """
+    import torch
+    from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    original_state_dict = DistributedOptimizer.state_dict
+
+    def state_dict(self):
+        if self.optimizer.state:
+            return original_state_dict(self)
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                self.optimizer.state[param] = {"step": torch.tensor(0.0)}
+        try:
+            return original_state_dict(self)
+        finally:
+            self.optimizer.state.clear()
+
+    original_load_state_dict = DistributedOptimizer.load_state_dict
+
+    def load_state_dict(self, state_dict):
+        with torch.no_grad():
+            original_load_state_dict(self, state_dict)
+        for state in self.optimizer.state.values():
+            if "step" in state:
+                state["step"] = state["step"].clone()
+
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states  # recipes/_megatron_cpu.py's
+
+    def set_main_param_and_optimizer_states(self, model_param, tensors):
+        return set_states(self, model_param, {k: v for k, v in tensors.items() if k != "step"})
+
+    _patch(DistributedOptimizer, "state_dict", state_dict)
+    _patch(DistributedOptimizer, "load_state_dict", load_state_dict)
+    _patch(DistributedOptimizer, "_set_main_param_and_optimizer_states", set_main_param_and_optimizer_states)

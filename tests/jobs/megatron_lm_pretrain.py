@@ -1,14 +1,16 @@
 """Megatron-LM's own `pretrain_gpt.py`, run as its users run it, on CPU with gloo.
 
-    torchrun --nproc_per_node 2 tests/jobs/megatron_lm_pretrain.py --tree DIR --record DIR [--bcp] \
-        -- <pretrain_gpt.py arguments>
+    torchrun --nproc_per_node 2 tests/jobs/megatron_lm_pretrain.py --tree DIR --record DIR [--bcp]
+        [--iteration-delay S] -- <pretrain_gpt.py arguments>
 
---tree: a Megatron-LM source tree (BCP_MEGATRON_LM/core_v0.16.1, ...), imported instead of the
-installed megatron-core. The CPU stand-ins of tests/megatron_lm_cpu.py are installed, then the
-tree's pretrain_gpt.py runs as `__main__` with the given arguments. --record: each rank writes the
-loss of every iteration it logs to DIR/losses_rank<r>.jsonl ({"iteration": i, "lm loss": float},
-the float exactly as Megatron computed it; Megatron's own log prints 6 digits). --bcp: calls
-`bcp_integrations.megatron.enable_megatron_lm()` before pretrain_gpt.py runs.
+--tree: a Megatron-LM source tree ($BCP_MEGATRON_LM/core_v0.16.1, ...), imported instead of the
+installed megatron-core; the CPU stand-ins of tests/megatron_lm_cpu.py are installed, then the
+tree's pretrain_gpt.py runs as `__main__` with the given arguments. --record: each rank that logs
+an iteration's loss (the last pipeline stage) appends it to DIR/losses_rank<r>.jsonl as
+{"iteration": i, "lm loss": x}, x exactly as Megatron computed it (its own log prints 6 digits and,
+on some iterations, an average over iterations). --iteration-delay: each logged iteration then
+waits S seconds (a window for a signal to arrive mid-run). --bcp: calls
+`bcp_integrations.megatron.enable_megatron_lm()` first, so that `--ckpt-format bcp` is understood.
 """
 
 from __future__ import annotations
@@ -17,29 +19,30 @@ import argparse
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/
 
 import megatron_lm_cpu  # noqa: E402
 
 
-def record_losses(directory: str) -> None:
-    """Wrap Megatron-LM's training_log so each logged iteration's losses land in a file."""
+def record_losses(directory: str, delay: float) -> None:
+    """Wrap Megatron-LM's training_log (same leading arguments in 0.16 to 0.19) to record each
+    logged iteration's losses."""
     import torch
     from megatron.training import training
 
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(os.environ.get("RANK", 0))
     original = training.training_log
 
     def training_log(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs):
         if loss_dict:
-            entry = {"iteration": int(iteration)}
-            entry.update({key: float(value) for key, value in loss_dict.items()})
+            entry = {"iteration": int(iteration), **{key: float(value) for key, value in loss_dict.items()}}
             with open(os.path.join(directory, f"losses_rank{torch.distributed.get_rank()}.jsonl"), "a") as f:
                 f.write(json.dumps(entry) + "\n")
+        if delay:
+            time.sleep(delay)
         return original(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs)
 
-    del rank
     training.training_log = training_log
 
 
@@ -47,25 +50,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tree", required=True, help="Megatron-LM source tree (core_v<version>)")
     parser.add_argument("--record", required=True, help="directory for losses_rank<r>.jsonl")
+    parser.add_argument("--iteration-delay", type=float, default=0.0, help="seconds each logged iteration waits")
     parser.add_argument("--bcp", action="store_true", help="enable_megatron_lm() first (--ckpt-format bcp)")
     ours, megatron_argv = parser.parse_known_args()
     if megatron_argv[:1] == ["--"]:
         megatron_argv = megatron_argv[1:]
 
+    # validate_args requires it for TP > 1 (it orders CUDA kernel launches; nothing on CPU)
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     megatron_lm_cpu.use_tree(ours.tree)
     megatron_lm_cpu.install()
     os.makedirs(ours.record, exist_ok=True)
-    record_losses(ours.record)
+    record_losses(ours.record, ours.iteration_delay)
     if ours.bcp:
         from bcp_integrations.megatron import enable_megatron_lm
         enable_megatron_lm()
     script = os.path.join(ours.tree, "pretrain_gpt.py")
     sys.argv = [script, *megatron_argv]
-    # pretrain_gpt.py runs as `__main__` in a namespace of its own, while this launcher stays
-    # sys.modules["__main__"]: the processes Megatron spawns (its checkpoint writers' result queue,
-    # the persistent async worker) re-import the main module, and only this one imports cleanly
-    # (pretrain_gpt.py's imports need the stand-ins installed above). runpy.run_path would swap
-    # pretrain_gpt.py in as the main module.
+    # pretrain_gpt.py runs as `__main__` in a namespace of its own while this launcher stays
+    # sys.modules["__main__"]: the processes Megatron spawns (the result queue of its checkpoint
+    # writers, the persistent async worker) re-import the main module, and only this one imports
+    # cleanly (pretrain_gpt.py's imports need the stand-ins above). runpy.run_path would make
+    # pretrain_gpt.py the main module for the duration.
     with open(script) as f:
         code = compile(f.read(), script, "exec")
     exec(code, {"__name__": "__main__", "__file__": script, "__builtins__": __builtins__})
