@@ -11,15 +11,18 @@ import torch
 from ..errors import MappingError
 from ..metadata import CheckpointMetadata
 from .llama import megatron_to_hf
+from .moe import FAMILIES as MOE_FAMILIES
 from .rules import Mapping
 
-FAMILIES = ("llama", "mistral", "qwen2")  # Hugging Face model_type values the declared mappings serve
+# Hugging Face model_type values the declared mappings serve
+FAMILIES = ("llama", "mistral", "qwen2") + MOE_FAMILIES
 
 
 def resolve_mapping(mapping: Any, md: CheckpointMetadata, state: dict, adapter: Any) -> Mapping | None:
     """`mapping` itself, or for "auto" the declared mapping from the framework that saved `md` to the
-    target's: none when both are Megatron or both are not; Megatron -> a Hugging Face model of the
-    Llama family in `state` (its config says how); anything else is refused."""
+    target's: none when both are Megatron or both are not; Megatron -> a Hugging Face model of a
+    declared family in `state` (its config says how, its parameters how it holds its experts);
+    anything else is refused."""
     if isinstance(mapping, Mapping):
         return mapping
     if mapping != "auto":
@@ -43,7 +46,14 @@ def resolve_mapping(mapping: Any, md: CheckpointMetadata, state: dict, adapter: 
         raise MappingError(f"mapping='auto': no declared mapping from Megatron to a {family!r} model (declared: "
                            f"{', '.join(FAMILIES)})")
     optimizers = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]
-    return megatron_to_hf(cfg, model=key, optimizer=optimizers[0] if len(optimizers) == 1 else "optimizer")
+    return megatron_to_hf(cfg, model=key, optimizer=optimizers[0] if len(optimizers) == 1 else "optimizer",
+                          experts=_expert_layout(_unwrapped(dict(models)[key])))
+
+
+def _expert_layout(model: torch.nn.Module) -> str:
+    """How the model holds its experts: one 3-D parameter for all (transformers 5), or a module each."""
+    names = (n for n, _ in model.named_parameters())
+    return "per_expert" if any(".experts.0." in n for n in names) else "fused"
 
 
 def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,10 +50,23 @@ class MappedCheckpoint:
     optional: set[str] = field(init=False, default_factory=set)   # target keys the mapping does not carry
     _zero_views: list[torch.Tensor] = field(init=False, default_factory=list)
     _checked: set[str] = field(init=False, default_factory=set)
+    _prefixed: dict[str, str] = field(init=False, default_factory=dict)  # a state key -> its prefixed key
 
     def __post_init__(self):
         m, md = self.mapping, self.source
         src, tgt = m.source_keys, m.target_keys
+        # sources saved under another name by this checkpoint's layout (Mapping.alternatives)
+        names = {n: alt for n, alt in m.alternatives.items() if n in m.sources and n not in m.unread and
+                 src.weight_key(n) not in md.tensors and src.weight_key(alt) in md.tensors}
+        if names:
+            self.mapping = m = m.read_as(names)
+        if src.state_prefix is not None:
+            prefix = re.compile(src.state_prefix)
+            for key in md.tensors:
+                found = prefix.match(key)
+                if found:  # two optimizers' state under one key is no state of one parameter: left out
+                    short = key[found.end():]
+                    self._prefixed[short] = "" if short in self._prefixed else key
         self._check_sources()
         shapes = {k: tuple(_resolved(s, k, m.read_copies)) for k, s in m.targets.items()}
         tensors: dict[str, TensorMeta] = {}
@@ -64,16 +78,17 @@ class MappedCheckpoint:
         step = None
         for name, shape in shapes.items():
             copies = by_target.get(name, [])
-            slots = [(tgt.weight_key(name), src.weight_key)]
-            if with_state and name not in m.weights_only:
-                slots += [(tgt.state_key(name, s), lambda n, s=s: src.state_key(n, s)) for s in tgt.moments]
-                if tgt.master is not None:
-                    master = src.master
-                    slots.append((tgt.state_key(name, tgt.master),
-                                  (lambda n: src.state_key(n, master)) if master else src.weight_key))
-            for key, source_key in slots:
-                dtype = self._add(key, shape, [(c, source_key(c.source.key)) for c in copies])
-                tensors[key] = TensorMeta(dtype, shape, ())
+            for out in (name, m.alternatives[name]) if name in m.alternatives else (name,):
+                slots = [(tgt.weight_key(out), src.weight_key)]
+                if with_state and name not in m.weights_only:
+                    slots += [(tgt.state_key(out, s), lambda n, s=s: src.state_key(n, s)) for s in tgt.moments]
+                    if tgt.master is not None:
+                        master = src.master
+                        slots.append((tgt.state_key(out, tgt.master),
+                                      (lambda n: src.state_key(n, master)) if master else src.weight_key))
+                for key, source_key in slots:
+                    dtype = self._add(key, shape, [(c, self._found(source_key(c.source.key))) for c in copies])
+                    tensors[key] = TensorMeta(dtype, shape, ())
             if with_state and name not in m.weights_only and tgt.step is not None and copies:
                 key = tgt.step.format(name=name)
                 if src.step is not None:
@@ -90,6 +105,12 @@ class MappedCheckpoint:
                                            md.checksum_block_bytes, md.user, md.version)
 
     # -- checks against the checkpoint
+
+    def _found(self, key: str) -> str:
+        """`key`, or the one key of the checkpoint that is `key` behind the source's state prefix."""
+        if key in self.source.tensors:
+            return key
+        return self._prefixed.get(key) or key
 
     def _source(self, key: str, what: str) -> TensorMeta:
         tm = self.source.tensors.get(key)
@@ -120,7 +141,7 @@ class MappedCheckpoint:
     def _optimizer_present(self) -> bool:
         """Whether the source holds optimizer state: every parameter's moments, or none at all."""
         m = self.mapping
-        keys = [m.source_keys.state_key(n, s) for n in m.sources if n not in m.unread
+        keys = [self._found(m.source_keys.state_key(n, s)) for n in m.sources if n not in m.unread
                 for s in m.source_keys.moments]
         have = [k for k in keys if k in self.source.tensors]
         if have and len(have) != len(keys):

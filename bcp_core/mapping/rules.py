@@ -8,7 +8,7 @@ parameter made of source regions, with its exact inverse), and the primitives th
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ..errors import MappingError
 from ..metadata import CheckpointMetadata, TensorMeta
@@ -63,6 +63,8 @@ class KeyScheme:
     framework keeps one step for all, outside the parameters (`common_file`, a torch.save file of
     the checkpoint directory, read with `weights_only=True`). `groups`: the optimizer's param groups,
     which a mapping between frameworks does not carry (the target keeps its own hyperparameters).
+    `state_prefix`: a regular expression for a prefix the framework may put before a state key
+    (Megatron's chained optimizers, `chained_<n>.`); a source state key is found with or without it.
     """
 
     weight: str
@@ -72,6 +74,7 @@ class KeyScheme:
     step: str | None = None
     common_file: str | None = None
     groups: str | None = None
+    state_prefix: str | None = None
 
     def weight_key(self, name: str) -> str:
         return self.weight.format(name=name)
@@ -88,9 +91,11 @@ def torch_scheme(model: str = "model", optimizer: str = "optimizer") -> KeySchem
 
 def megatron_scheme() -> KeyScheme:
     """Megatron-core's sharded state dict keys; DistributedOptimizer state in its `fully_reshardable`
-    layout (`optimizer.state.<state>.<param key>`, fp32 master copy `param`), the step in common.pt."""
+    layout (`optimizer.state.<state>.<param key>`, fp32 master copy `param`; saved by a chain of
+    optimizers without `chained_optim_avoid_prefix`, each key has its optimizer's `chained_<n>.`
+    prefix), the step in common.pt."""
     return KeyScheme(weight="{name}", state="optimizer.state.{state}.{name}", master="param",
-                     common_file="common.pt")
+                     common_file="common.pt", state_prefix=r"chained_\d+\.")
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,9 @@ class Mapping:
     tied to another (one tensor in the model, no optimizer state of their own). `unread`: source
     parameters tied to another, whose copies are kept for the inverse but not read (the inverse's
     `weights_only`). `step`: the step counter to give the target optimizer when the source's cannot
-    be read."""
+    be read. `alternatives`: parameters some layouts of a framework name otherwise (name -> the
+    other name): a source is read under the other name when the checkpoint has only that one, and a
+    target is offered under both."""
 
     name: str
     sources: dict[str, Shape]
@@ -111,6 +118,7 @@ class Mapping:
     weights_only: frozenset[str] = frozenset()
     unread: frozenset[str] = frozenset()
     step: int | None = None
+    alternatives: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         for c in self.copies:
@@ -131,7 +139,16 @@ class Mapping:
         return Mapping(self.name.removeprefix("inverse of ") if self.name.startswith("inverse of ") else
                        f"inverse of {self.name}", dict(self.targets), dict(self.sources),
                        tuple(c.inverse() for c in self.copies), self.target_keys, self.source_keys,
-                       weights_only=self.unread, unread=self.weights_only, step=self.step)
+                       weights_only=self.unread, unread=self.weights_only, step=self.step,
+                       alternatives=dict(self.alternatives))
+
+    def read_as(self, names: dict[str, str]) -> Mapping:
+        """This mapping reading each source parameter `a` of `names` under the name `names[a]`."""
+        def named(r: Region) -> Region:
+            return replace(r, key=names.get(r.key, r.key))
+        return replace(self, sources={names.get(k, k): v for k, v in self.sources.items()},
+                       copies=tuple(Copy(c.target, named(c.source)) for c in self.copies),
+                       unread=frozenset(names.get(k, k) for k in self.unread))
 
     def with_step(self, step: int) -> Mapping:
         """This mapping, handing the target optimizer `step` when the source's step cannot be read."""

@@ -136,7 +136,9 @@ def export_checkpoint(path: str, out: str, to: str = "hf", model_only: bool | No
     `mapping="megatron-to-hf"` (with `config`: the Hugging Face config.json, or its directory)
     writes a Megatron-core checkpoint as the Hugging Face model the config describes: each block of
     a Hugging Face tensor is read from the source regions the declared mapping names (the rows of
-    `linear_qkv` for a block of `q_proj`...), padding dropped, tied weights written once.
+    `linear_qkv` for a block of `q_proj`...), padding dropped, tied weights written once; the experts
+    of an MoE model (Mixtral, Qwen2-MoE, Qwen3-MoE) one tensor per expert and projection, as Hugging
+    Face files hold them.
     """
     st, md = open_checkpoint(path)
     rules = parse_rules(rename)
@@ -175,7 +177,9 @@ def _mapped_entries(st: Storage, md: CheckpointMetadata, mapping: str, config: s
     if md.framework != "megatron":
         raise ToolError(f"--mapping {mapping}: {st.root} was saved by {md.framework!r}, not by Megatron")
     try:
-        m = megatron_to_hf(cfg)
+        # experts one nn.Linear each: the layout of Hugging Face files, which save_pretrained writes and every
+        # transformers release's from_pretrained reads (5.x fuses them on load)
+        m = megatron_to_hf(cfg, experts="per_expert")
         mapped = m.bind(md, st, lambda fqn, tm: check_file_sizes(md, st.size, [(f"tensor {fqn!r}", tm.pieces)],
                                                                  st.root), optimizer=False)
     except MappingError as e:

@@ -13,7 +13,7 @@ require_extra("megatron", "the Megatron-core integration (bcp_integrations.megat
 
 from .adapter import (build_factories, flat_range_sharded_tensors, load, load_state, merge_factories,  # noqa: E402
                       save, save_state)
-from .optimizer import fully_reshardable_param_state  # noqa: E402
+from .optimizer import chained_optimizer_state, fully_reshardable_param_state  # noqa: E402
 from .megatron_lm import add_ckpt_format_choice, bcp_selected, enable_megatron_lm  # noqa: E402
 from .preemption import exit_after_preemption  # noqa: E402
 from .routing import register_strategies  # noqa: E402
@@ -27,5 +27,5 @@ __all__ = [
     "register_strategies",
     "save", "load", "save_state", "load_state", "build_factories", "merge_factories", "flat_range_sharded_tensors",
     "fully_reshardable_param_state", "enable_megatron_lm", "add_ckpt_format_choice", "bcp_selected",
-    "exit_after_preemption",
+    "exit_after_preemption", "chained_optimizer_state",
 ]

@@ -41,6 +41,8 @@ from bcp_core.shards import Box, ObjectShard, ShardedView, range_boxes
 from bcp_core.storage import storage_for
 from bcp_core.utils import this_rank
 
+from .layouts import saved_tensors, to_saved_layout
+
 # io.BytesIO (Transformer Engine's `_extra_state`) has no place in bcp's safe codec; it travels as
 # bytes inside this one-key dict and is turned back into a BytesIO on load.
 _BYTESIO_TAG = "__megatron_bytesio__"
@@ -342,6 +344,9 @@ def load(sharded_state_dict: dict, path: str, *, mapping=None, **kwargs) -> dict
     ShardedTensors with data are filled in place; factories are merged back. `kwargs` go to
     `bcp_core.load` (strict=True by default: a key missing from the checkpoint is an error).
 
+    A checkpoint saved in another of Megatron's key layouts (stacked or per layer and expert,
+    `singleton_local_shards`; chained optimizers' `chained_<n>.` prefixes) loads too (layouts.py).
+
     `mapping`: a checkpoint of another model family or framework, seen through a
     `bcp_core.mapping.Mapping` (e.g. `bcp.mapping.hf_to_megatron(hf_config)` for a Hugging Face
     Llama checkpoint saved by bcp). Only what the mapping makes is read: the weights, and the
@@ -360,11 +365,12 @@ def load(sharded_state_dict: dict, path: str, *, mapping=None, **kwargs) -> dict
         if m is not None:
             mapped = m.bind(md, storage_for(str(path)))
             md = mapped.metadata
-    plan = load_state(built, {k: tm.shape for k, tm in md.tensors.items()},
-                      {k: tm.dtype for k, tm in md.tensors.items()})
+    saved = saved_tensors({v.key for _, v in iter_leaves(built) if isinstance(v, ShardedTensor)}, md)
+    plan = load_state(built, {k: tm.shape for k, tm in saved.items()}, {k: tm.dtype for k, tm in saved.items()})
     state = plan.state
     if mapped is not None:  # only tensors come through a mapping; the rest stays the target's
         state = {k: v for k, v in plan.state.items() if isinstance(v, ShardedView)}
+    state = to_saved_layout(state, md)  # saved per layer / expert, or behind chained_<n>., asked otherwise
     bcp.load(str(path), state, framework="megatron", mapping=mapped.mapping if mapped else None, **kwargs)
     result = merge_factories(plan.result(built), factories)
     if mapped is not None:

@@ -113,3 +113,73 @@ def _parts(sh, key: str, model_param: torch.Tensor, where: str) -> list[tuple[Sh
                        f"the local tensor ({covered} of {local.numel()} elements)")
     return out
 
+
+
+# ----------------------------------------------------------------------------- a chain of optimizers
+
+_GROUP_KEYS = ("wd_mult", "lr_mult", "is_decoupled_lr")  # Megatron's identifiers of a param group, but for EP
+
+
+def chained_optimizer_state(optimizer, loaded: dict) -> dict:
+    """The optimizer state `dist_checkpointing.load` returned for `optimizer.sharded_state_dict(...)`,
+    made into what `optimizer.load_state_dict` takes, whatever chain of optimizers saved it.
+
+    Megatron builds a second DistributedOptimizer for the experts when expert parallelism is on (EP>1)
+    and none at EP=1, so a checkpoint saved at EP=2 holds the param groups of two optimizers in its
+    common state (`{0: {"optimizer": {"param_groups": ...}}, 1: ...}`) and one at EP=1 those of one.
+    Loading either into the other chain, dist_checkpointing merges the saved common state with the
+    requested tensor state as they come, which neither `ChainedOptimizer.load_state_dict` (entry count)
+    nor `DistributedOptimizer.load_state_dict` (`KeyError: 'optimizer'`, or a group it cannot find:
+    the saved groups differ in `is_expert_parallel`) takes. Here each optimizer of the chain gets its
+    own loaded tensor state (`param_state`) and, for each of its param groups, the saved group with
+    the same `wd_mult`, `lr_mult` and `is_decoupled_lr` (the one of the same `is_expert_parallel` if
+    there are two; hyperparameters and step as saved). Use it in place of the loaded dict:
+
+        state = dist_checkpointing.load(sharded, ckpt_dir)
+        opt.load_state_dict(chained_optimizer_state(opt, state["optimizer"]))
+
+    A chain that saved and loads alike comes back as loaded. Raises `BCPError` naming the param
+    group the checkpoint has no counterpart for.
+    """
+    members = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    chained = len(members) > 1
+    numbered = {k: v for k, v in loaded.items() if isinstance(k, int) and isinstance(v, dict)}
+    saved = [v for _, v in sorted(numbered.items()) if "optimizer" in v]  # a saved chain's common state
+    if not saved and "optimizer" in loaded:
+        saved = [loaded]
+    if not saved:
+        raise BCPError("the loaded optimizer state holds no param groups (no 'optimizer' entry): it is not what "
+                       "dist_checkpointing.load returns for a Megatron optimizer's sharded state dict")
+    groups = [g for s in saved for g in s["optimizer"].get("param_groups", [])]
+    out = {}
+    for i, member in enumerate(members):
+        own = numbered.get(i, {}) if chained else {k: v for k, v in loaded.items() if not isinstance(k, int)}
+        state = {k: v for k, v in own.items() if k not in ("optimizer", "param_state_sharding_type", "grad_scaler")}
+        for k in ("param_state_sharding_type", "grad_scaler"):
+            found = [s[k] for s in saved if k in s]
+            if found:
+                state[k] = found[0]
+        inner = getattr(member, "optimizer", None)
+        if inner is None or not hasattr(inner, "param_groups"):
+            raise BCPError(f"optimizer {i} of the chain ({type(member).__name__}) has no inner torch optimizer")
+        state["optimizer"] = {**{k: v for k, v in saved[0]["optimizer"].items() if k != "param_groups"},
+                              "param_groups": [_saved_group(g, groups, i) for g in inner.param_groups]}
+        out[i] = state
+    return out if chained else out[0]
+
+
+def _saved_group(group: dict, saved: list[dict], member: int) -> dict:
+    """The saved param group for the live `group`, marked with the live group's `is_expert_parallel`."""
+    ident = tuple(group.get(k) for k in _GROUP_KEYS)
+    same = [g for g in saved if tuple(g.get(k) for k in _GROUP_KEYS) == ident]
+    exact = [g for g in same if g.get("is_expert_parallel") == group.get("is_expert_parallel")]
+    found = exact or same
+    if not found:
+        have = sorted({tuple(g.get(k) for k in _GROUP_KEYS) for g in saved}, key=str)
+        raise BCPError(f"optimizer {member}: the checkpoint has no param group with "
+                       f"{dict(zip(_GROUP_KEYS, ident))} (it has {[dict(zip(_GROUP_KEYS, h)) for h in have]})")
+    values = [{k: v for k, v in g.items() if k != "is_expert_parallel"} for g in found]
+    if any(v != values[0] for v in values[1:]):
+        raise BCPError(f"optimizer {member}: the checkpoint has param groups with {dict(zip(_GROUP_KEYS, ident))} "
+                       f"that differ ({values}); which one this group continues is not known")
+    return {**found[0], "is_expert_parallel": group.get("is_expert_parallel", False)}
