@@ -543,8 +543,8 @@ def run_size(a: dict, timeout: float | None) -> dict:
     """`worker(a)` in a fresh process (and session: DCP's checkpointing process goes with it)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(a), out],
-                            start_new_session=True)
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(a), out, str(os.getpid())]
+    proc = subprocess.Popen(cmd, start_new_session=True)
     try:
         rc = proc.wait(timeout)
     except subprocess.TimeoutExpired:
@@ -621,8 +621,18 @@ def main() -> int:
     return 0
 
 
+def _end_with_parent(parent: int) -> None:
+    """A worker ends with the bench that started it (killed at a timeout, it must not run on alone)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it was gone already
+        os._exit(1)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--worker":  # one size (run_size)
+    if len(sys.argv) == 5 and sys.argv[1] == "--worker":  # one size (run_size)
+        _end_with_parent(int(sys.argv[4]))
         result = worker(json.loads(sys.argv[2]))
         with open(sys.argv[3], "w") as f:
             json.dump(result, f)
