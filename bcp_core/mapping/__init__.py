@@ -18,7 +18,8 @@ are zero. docs/mapping.md has the rules and the layout facts the declared famili
 
 The package's files: `rules.py` (Region, Copy, KeyScheme, Mapping, the primitives), `mapped_read.py`
 (a mapping bound to a checkpoint: what a mapped load reads), `auto.py` (`mapping="auto"`), and the
-declared families (`llama.py`).
+declared families (`llama.py`: Llama, Mistral, Qwen2 and the decoders of Mixtral, Qwen2-MoE,
+Qwen3-MoE, whose experts are `moe.py`'s).
 """
 
 from ..errors import MappingError
