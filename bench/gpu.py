@@ -67,6 +67,7 @@ import torch.distributed as dist
 from torch import nn
 
 SYSTEMS = ("bcp", "dcp", "bcp_prepared")
+WAIT_S = 300  # the longest wait for one save (a system that hangs fails, the others' figures stay)
 BYTES_PER_PARAM = 6  # bf16 weight + AdamW's two bf16 moments
 GIB = 1 << 30
 
@@ -253,7 +254,8 @@ class Pending:
         self._done.set()
 
     def wait(self) -> None:
-        self._done.wait()
+        if not self._done.wait(WAIT_S):
+            raise TimeoutError(f"the save to {self.path} did not end within {WAIT_S} s")
 
     @property
     def durable_s(self) -> float | None:
@@ -355,7 +357,7 @@ class Dcp:
         if self.staging is not None:
             staging, self.staging = self.staging, None
             try:
-                staging.result()
+                staging.result(WAIT_S)
             except Exception as e:  # noqa: BLE001 - reported; later saves get a stager each
                 self.errors.append(f"staging: {type(e).__name__}: {e}")
                 self.reuse = False
@@ -497,7 +499,9 @@ def fits(gib: float, device: str, root: str) -> str | None:
     return None
 
 
-def worker(a: dict) -> dict:
+def worker(a: dict, out: str) -> dict:
+    """One size; the table so far is written to `out` after each system (a worker stopped at its
+    time limit leaves the systems it finished)."""
     t0 = time.perf_counter()
     device = a["device"]
     if device == "cuda":
@@ -532,6 +536,8 @@ def worker(a: dict) -> dict:
             if isinstance(system, Dcp):
                 system.close()
             shutil.rmtree(sub, ignore_errors=True)
+        with open(out, "w") as f:
+            json.dump(table | {"ratios": ratios(table), "incomplete": f"the worker ended after {name}"}, f)
     table["ratios"] = ratios(table)
     if device == "cuda":
         table["gpu_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
@@ -633,7 +639,7 @@ def _end_with_parent(parent: int) -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 5 and sys.argv[1] == "--worker":  # one size (run_size)
         _end_with_parent(int(sys.argv[4]))
-        result = worker(json.loads(sys.argv[2]))
+        result = worker(json.loads(sys.argv[2]), sys.argv[3])
         with open(sys.argv[3], "w") as f:
             json.dump(result, f)
         sys.exit(0)

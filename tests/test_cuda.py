@@ -590,7 +590,7 @@ def test_gpu_bench_smoke_runs_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu.py"), "--device", "cpu", "--gib", "0.0005",
                            "--hidden", "128", "--steps", "6", "--every", "2", "--step-ms", "5", "--json", str(out),
-                           "--dir", str(tmp_path / "ckpts")], capture_output=True, text=True, timeout=240, cwd=REPO)
+                           "--dir", str(tmp_path / "ckpts")], capture_output=True, text=True, timeout=500, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     table = json.loads(out.read_text())
     assert table["config"]["device"] == "cpu" and not table["skipped"]
