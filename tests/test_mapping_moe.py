@@ -272,6 +272,45 @@ def test_moe_configs_the_mapping_does_not_declare_are_refused():
         bcp.mapping.megatron_to_hf(hf_config("mixtral"), experts="stacked")
 
 
+def _sharded_tensor(key, data, global_shape, offset, prepend=0):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    return ShardedTensor(key, data, data.dtype, tuple(data.shape), tuple(global_shape), tuple(offset),
+                         axis_fragmentations=None, replica_id=0, prepend_axis_num=prepend)
+
+
+def test_megatron_key_layouts_load_into_each_other(tmp_path):
+    """bcp_integrations.megatron.load finds a requested tensor under the name the checkpoint holds it:
+    a per-layer, per-expert half (singleton_local_shards) inside the stacked [L, E, 2F, H] tensor, behind
+    another chain's prefix; a stacked box straddling gate and up from the saved halves; a request the
+    saved tensor cannot hold is named with both keys."""
+    pytest.importorskip("megatron.core")
+    import bcp_integrations.megatron as bm
+    from bcp_core.errors import ShapeMismatchError
+    stacked = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+    fc1 = torch.arange(2 * 4 * 6 * 3.0).reshape(2, 4, 6, 3)  # L=2 layers, E=4 experts, [gate; up] of 3 rows each
+    bm.save({"a": _sharded_tensor(stacked, fc1, fc1.shape, (0, 0, 0, 0)),
+             "b": _sharded_tensor(f"chained_1.optimizer.state.exp_avg.{stacked}", -fc1, fc1.shape, (0, 0, 0, 0))},
+            tmp_path / "stacked").wait()
+    up = torch.zeros(3, 3)  # layer 1, expert 2, the up half, asked as singleton_local_shards asks
+    moment = torch.zeros(1, 3)  # layer 0, expert 3, row 2 of the gate half, without the chain prefix
+    bm.load({"up": _sharded_tensor("decoder.layers.1.mlp.experts.experts.2.linear_fc1.weight_v", up, (3, 3), (0, 0)),
+             "m": _sharded_tensor("optimizer.state.exp_avg.decoder.layers.0.mlp.experts.experts.3.linear_fc1.weight_w",
+                                  moment, (3, 3), (2, 0))}, tmp_path / "stacked")
+    assert torch.equal(up, fc1[1, 2, 3:]) and torch.equal(moment, -fc1[0, 3, 2:3])
+
+    # saved per layer and expert, in halves; asked stacked, rows 2..4 of expert 1 of layer 0: gate row 2, up rows 0-1
+    bm.save({f"{n}{i}{e}": _sharded_tensor(f"decoder.layers.{i}.mlp.experts.experts.{e}.linear_fc1.weight_{n}",
+                                            fc1[i, e, 3 * (n == "v"):3 * (n == "v") + 3].clone(), (3, 3), (0, 0))
+             for i in range(2) for e in range(4) for n in "wv"}, tmp_path / "halves").wait()
+    rows = torch.zeros(3, 3)
+    bm.load({"r": _sharded_tensor(stacked, rows, (2, 4, 6, 3), (0, 1, 2, 0), prepend=2)}, tmp_path / "halves")
+    assert torch.equal(rows, fc1[0, 1, 2:5])
+
+    with pytest.raises(ShapeMismatchError, match=rf"weight_v'.*is saved as '{stacked}'"):
+        bm.load({"x": _sharded_tensor("decoder.layers.1.mlp.experts.experts.2.linear_fc1.weight_v", torch.zeros(4, 3),
+                                      (4, 3), (0, 0))}, tmp_path / "stacked")
+
+
 # ----------------------------------------------------------------------------- real Megatron-core MoE, 2 ranks
 
 SEQ = 8
@@ -491,7 +530,8 @@ def logits_of(model) -> torch.Tensor:
 
 def _hf_to_megatron(root: str) -> dict:
     """A Qwen3MoeForCausalLM trained 2 AdamW steps and saved by bcp (both ranks hold it: a replicated save)
-    into the Megatron model at EP=2 and its two chained DistributedOptimizers, through bm.load(mapping=)."""
+    into the Megatron model at EP=2 and its two chained DistributedOptimizers (state keys asked for with
+    their chained_<n>. prefixes), through bm.load(mapping=)."""
     import bcp_integrations.megatron as bm
     hf = hf_model(hf_config("qwen3_moe"), seed=11)
     hf_opt = trained(hf)
@@ -501,7 +541,9 @@ def _hf_to_megatron(root: str) -> dict:
     cfg, model = _moe_gpt("qwen3_moe", 2, 1)
     ddp, opt = _distributed(cfg, model)
     _fresh_state(opt)
-    loaded = bm.load(_sharded(model, opt, loading=True), path, mapping=bcp.mapping.hf_to_megatron(hf.config))
+    # asked with chained_<n>. prefixes: the mapping names the state without them (layouts.py moves the request)
+    loaded = bm.load(_sharded(model, opt, loading=True, avoid_prefix=False), path,
+                     mapping=bcp.mapping.hf_to_megatron(hf.config))
     model.load_state_dict(loaded["model"])
     opt.load_state_dict(loaded["optimizer"])
     r = {"logits_diff": float((_run(ddp, tokens(99), forward_only=True) - logits_of(hf)).abs().max()),
@@ -813,3 +855,34 @@ def test_megatron_moe_reshards_into_pipeline_and_expert_tensor_parallelism(more_
     bad, n = _same_checkpoints(os.path.join(root, "qwen2_moe_ep2_tp1"), os.path.join(root, saved))
     assert not bad and n > 40, bad[:5]
     _assert_continues(more_layouts_run, "layouts", "qwen2_moe_ep2_tp1", case)
+
+
+def test_auto_loads_into_a_model_holding_one_module_per_expert(moe_run):
+    """mapping="auto" on a model whose experts are modules of their own (transformers before 5, or any
+    model named so) picks the per-expert layout: each expert's gate, up and down weights are the rows of
+    Megatron's stacked experts the fused load gives too."""
+    from torch import nn
+
+    cfg = hf_config("qwen3_moe")
+
+    class Expert(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj = nn.Linear(HIDDEN, EXPERT_FFN, bias=False)
+            self.up_proj = nn.Linear(HIDDEN, EXPERT_FFN, bias=False)
+            self.down_proj = nn.Linear(EXPERT_FFN, HIDDEN, bias=False)
+
+    fused = hf_model(cfg, seed=5)
+    per_expert = hf_model(cfg, seed=5)
+    for layer in per_expert.model.layers:  # the same model, its experts one module each
+        layer.mlp.experts = nn.ModuleList(Expert() for _ in range(EXPERTS))
+    path = os.path.join(moe_run[0]["root"], "qwen3_moe_ep2_tp1")
+    bcp.load(path, {"model": fused}, mapping="auto")
+    bcp.load(path, {"model": per_expert}, mapping="auto")
+    for i in range(LAYERS):
+        want, got = fused.model.layers[i].mlp.experts, per_expert.model.layers[i].mlp.experts
+        for e in range(EXPERTS):
+            assert torch.equal(got[e].gate_proj.weight, want.gate_up_proj[e, :EXPERT_FFN])
+            assert torch.equal(got[e].up_proj.weight, want.gate_up_proj[e, EXPERT_FFN:])
+            assert torch.equal(got[e].down_proj.weight, want.down_proj[e])
+        assert torch.equal(per_expert.model.layers[i].mlp.gate.weight, fused.model.layers[i].mlp.gate.weight)
