@@ -82,8 +82,8 @@ class Run:
     seconds: float
 
 
-def pretrain(release: str, workdir: str, *flags: str, fmt: str = "torch_dist", iterations: int = ITERATIONS,
-             sigterm_after: int | None = None, expect_rc: int | None = 0) -> Run:
+def pretrain(release: str, workdir: str, *flags: str, fmt: str = "torch_dist", sigterm_after: int | None = None,
+             expect_rc: int | None = 0) -> Run:
     """One launch of Megatron-LM's pretrain_gpt.py on 2 ranks, saving to and loading from
     workdir/ckpt. sigterm_after=i: SIGTERM goes to torchrun once iteration i is logged (each logged
     iteration then waits a second, so the signal arrives mid-run)."""
@@ -94,14 +94,17 @@ def pretrain(release: str, workdir: str, *flags: str, fmt: str = "torch_dist", i
         launcher.append("--bcp")
     if sigterm_after is not None:
         launcher += ["--iteration-delay", "1"]
-    argv = [*MODEL, "--train-iters", str(iterations), "--save", ckpt, "--load", ckpt,
+    argv = [*MODEL, "--train-iters", str(ITERATIONS), "--save", ckpt, "--load", ckpt,
             "--save-interval", str(SAVE_INTERVAL), "--ckpt-format", fmt, *flags]
+    # TORCH_ELASTIC_SHUTDOWN_TIMEOUT: the grace torchrun gives its workers after a SIGTERM before it
+    # kills them (30 s by default; a loaded machine may take longer to write the checkpoint)
+    env = {"OMP_NUM_THREADS": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(LAUNCH_TIMEOUT)}
     start = time.monotonic()
-    job = Job("megatron_lm_pretrain.py", 2, *launcher, "--", *argv, env={"OMP_NUM_THREADS": "1"})
+    job = Job("megatron_lm_pretrain.py", 2, *launcher, "--", *argv, env=env)
     if sigterm_after is not None:
-        job.wait_for(os.path.join(records, "losses_rank0.jsonl"),
-                     lambda text: any(json.loads(line)["iteration"] >= sigterm_after for line in text.splitlines()),
-                     timeout=LAUNCH_TIMEOUT)
+        def logged(text: str) -> bool:  # the lines written whole
+            return any(json.loads(line)["iteration"] >= sigterm_after for line in text.split("\n")[:-1])
+        job.wait_for(os.path.join(records, "losses_rank0.jsonl"), logged, timeout=LAUNCH_TIMEOUT)
         job.signal(signal.SIGTERM)
     rc = job.finish(timeout=LAUNCH_TIMEOUT)
     seconds = time.monotonic() - start
@@ -123,6 +126,12 @@ def _losses(records: str) -> dict[int, float]:
     return losses
 
 
+def backend(path: str) -> str:
+    """The format dist_checkpointing's metadata.json names for a checkpoint directory (iter_<n>)."""
+    with open(os.path.join(path, "metadata.json")) as f:
+        return json.load(f)["sharded_backend"]
+
+
 def checkpoint_tensors(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of a torch_dist checkpoint directory (iter_<n>), read with torch DCP in this
     process (the pickled values beside them need the release's own classes, so they are left out)."""
@@ -135,7 +144,9 @@ def checkpoint_tensors(path: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def assert_same_checkpoint(a: str, b: str) -> None:
+def assert_same_checkpoint(a: str, b: str, fmt: str) -> None:
+    """Checkpoint directories a and b are both in format `fmt` and hold the same tensors, bit for bit."""
+    assert (backend(a), backend(b)) == (fmt, fmt), f"{a}: {backend(a)}, {b}: {backend(b)}, not {fmt}"
     ta, tb = checkpoint_tensors(a), checkpoint_tensors(b)
     assert ta.keys() == tb.keys(), f"tensors only in {a}: {sorted(ta.keys() - tb.keys())}; " \
                                    f"only in {b}: {sorted(tb.keys() - ta.keys())}"
@@ -194,7 +205,7 @@ def test_resume_is_bit_identical(release, fmt, uninterrupted, tmp_path):
     resumed = pretrain(release, workdir, *DISTRIBUTED_OPTIMIZER, fmt=fmt)
     resumed_at(resumed, SAVE_INTERVAL)
     assert resumed.losses == {i: reference.losses[i] for i in range(SAVE_INTERVAL + 1, ITERATIONS + 1)}
-    assert_same_checkpoint(iteration_dir(ref_dir, ITERATIONS), iteration_dir(workdir, ITERATIONS))
+    assert_same_checkpoint(iteration_dir(ref_dir, ITERATIONS), iteration_dir(workdir, ITERATIONS), fmt)
 
 
 # ----------------------------------------------------------------------------- slow tier
@@ -219,7 +230,7 @@ def test_stop_and_resume(release, fmt, variant, uninterrupted, tmp_path):
     resumed = pretrain(release, workdir, *training, *saving, fmt=fmt)
     resumed_at(resumed, SAVE_INTERVAL)
     assert resumed.losses == {i: reference.losses[i] for i in range(SAVE_INTERVAL + 1, ITERATIONS + 1)}
-    assert_same_checkpoint(iteration_dir(ref_dir, ITERATIONS), iteration_dir(workdir, ITERATIONS))
+    assert_same_checkpoint(iteration_dir(ref_dir, ITERATIONS), iteration_dir(workdir, ITERATIONS), fmt)
 
 
 @pytest.mark.slow
@@ -235,12 +246,14 @@ def test_sigterm_checkpoints_and_resumes(release, fmt, uninterrupted, tmp_path):
     stopped = pretrain(release, workdir, "--exit-signal-handler", fmt=fmt, sigterm_after=2, expect_rc=None)
     assert "exiting program after receiving SIGTERM" in stopped.output, stopped.output[-6000:]
     last = tracked_iteration(workdir)
+    print(f"[{release} {fmt}] SIGTERM after iteration 2: checkpoint of iteration {last}, torchrun exited "
+          f"{stopped.returncode}")
     assert 2 <= last < ITERATIONS and max(stopped.losses) == last, (last, sorted(stopped.losses))
     assert stopped.losses == {i: reference.losses[i] for i in range(1, last + 1)}
     resumed = pretrain(release, workdir, "--exit-signal-handler", fmt=fmt)
     resumed_at(resumed, last)
     assert resumed.losses == {i: reference.losses[i] for i in range(last + 1, ITERATIONS + 1)}
-    assert_same_checkpoint(iteration_dir(ref_dir, ITERATIONS), iteration_dir(workdir, ITERATIONS))
+    assert_same_checkpoint(iteration_dir(ref_dir, ITERATIONS), iteration_dir(workdir, ITERATIONS), fmt)
 
 
 PP_REASON = ("issue #29: PP=2 -> PP=1 with the distributed optimizer resumes to a wrong loss (the PP=2 "
@@ -269,5 +282,6 @@ def test_reshard_on_resume(release, fmt, source, uninterrupted, tmp_path):
     resumed_at(resumed, SAVE_INTERVAL)
     report = {i: (resumed.losses[i], reference.losses[i]) for i in resumed.losses}
     print(f"[{release} {fmt} {' '.join(source)} -> 1] iteration: (resumed, uninterrupted) {report}")
+    assert backend(iteration_dir(workdir, ITERATIONS)) == fmt
     for i in range(SAVE_INTERVAL + 1, ITERATIONS + 1):
         assert abs(resumed.losses[i] - reference.losses[i]) <= RESHARD_TOLERANCE, (i, report)
