@@ -1,11 +1,13 @@
-"""A mapped load (Megatron-core layout -> Hugging Face Llama) against the same load without a mapping,
-and against converting offline with `bcp export --mapping` then loading with `from_pretrained`.
+"""A mapped load (Megatron-core layout -> Hugging Face Llama, or Mixtral) against the same load without a
+mapping, and against converting offline with `bcp export --mapping` then loading with `from_pretrained`.
 
     python bench/mapping_load.py [--hidden 512] [--layers 8] [--vocab 32000] [--dir /tmp/bcp_mapbench] [--repeat 2]
+    python bench/mapping_load.py --family mixtral [--layers 4] [--experts 8] [--expert-ffn 512]
 
-Setup (not timed): a LlamaForCausalLM of the given size trains 2 AdamW steps and is saved by bcp
-(Hugging Face keys, `{"model", "optimizer"}`); the same state is then written in Megatron's layout
-(stacked layers, fused [q; k; v] per query group and [gate; up], vocabulary padded to 128, the
+Setup (not timed): a LlamaForCausalLM (MixtralForCausalLM: transformers 5's fused 3-D experts) of the
+given size trains 2 AdamW steps and is saved by bcp (Hugging Face keys, `{"model", "optimizer"}`); the
+same state is then written in Megatron's layout (stacked layers, fused [q; k; v] per query group and
+[gate; up], experts stacked on the axis after the layer's, vocabulary padded to 128, the
 DistributedOptimizer's fully_reshardable keys) through `bcp_integrations.megatron.save`: the two
 checkpoints hold the same numbers. Each measurement runs in a fresh process (its own peak RSS),
 the kinds alternated `--repeat` times, best time and lowest peak kept:
@@ -14,7 +16,8 @@ the kinds alternated `--repeat` times, best time and lowest peak kept:
 - `plain`: `bcp.load(hf_ckpt, {"model", "optimizer"})` (the same bytes, no mapping)
 - `mapped_weights`, `plain_weights`: the same with the model only
 - `export` + `from_pretrained`: `bcp export megatron_ckpt out --to hf --mapping megatron-to-hf`, then
-  `LlamaForCausalLM.from_pretrained(out)` (weights only: an HF directory has no optimizer state);
+  `from_pretrained(out)` (weights only: an HF directory has no optimizer state; Mixtral's experts are
+  written one tensor each, as Hugging Face files hold them, and fused by from_pretrained);
   time summed, peak RSS the larger of the two processes.
 
 Only the load call (or the export, and from_pretrained) is timed, and the peak RSS is the
@@ -38,22 +41,30 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def config(args):
-    from transformers import LlamaConfig
-    return LlamaConfig(hidden_size=args.hidden, num_attention_heads=args.hidden // 64, num_key_value_heads=max(
-        1, args.hidden // 256), num_hidden_layers=args.layers, intermediate_size=args.hidden * 8 // 3 // 64 * 64,
-        vocab_size=args.vocab, max_position_embeddings=128, tie_word_embeddings=False)
+    from transformers import LlamaConfig, MixtralConfig
+    dims = dict(hidden_size=args.hidden, num_attention_heads=args.hidden // 64, num_key_value_heads=max(
+        1, args.hidden // 256), num_hidden_layers=args.layers, vocab_size=args.vocab, max_position_embeddings=128,
+        tie_word_embeddings=False)
+    if args.family == "mixtral":
+        return MixtralConfig(**dims, intermediate_size=args.expert_ffn, num_local_experts=args.experts,
+                             num_experts_per_tok=2)
+    return LlamaConfig(**dims, intermediate_size=args.hidden * 8 // 3 // 64 * 64)
+
+
+def model_class(args):
+    from transformers import LlamaForCausalLM, MixtralForCausalLM
+    return MixtralForCausalLM if args.family == "mixtral" else LlamaForCausalLM
 
 
 def setup(args) -> None:
     import torch
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
-    from transformers import LlamaForCausalLM
 
     import bcp_core as bcp
     import bcp_integrations.megatron as bm
     cfg = config(args)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
+    model = model_class(args)(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(2):
         tokens = torch.randint(0, cfg.vocab_size, (2, 16))
@@ -66,7 +77,8 @@ def setup(args) -> None:
     # the same numbers in Megatron's layout, through the inverse mapping (a plain dict target)
     inverse = bcp.mapping.hf_to_megatron(cfg, padded_vocab_size=128 * -(-cfg.vocab_size // 128))
     md = inverse.bind(bcp.inspect(hf)).metadata
-    target = {k: torch.empty(tm.shape, dtype=tm.dtype) for k, tm in md.tensors.items()}
+    other_names = tuple(inverse.alternatives.values())  # the pre-MLP norm is offered under both its names
+    target = {k: torch.empty(tm.shape, dtype=tm.dtype) for k, tm in md.tensors.items() if not k.endswith(other_names)}
     bcp.load(hf, target, mapping=inverse)
     bm.save({k: ShardedTensor.from_rank_offsets(k, v, replica_id=0) for k, v in target.items()},
             os.path.join(args.dir, "megatron")).wait()
@@ -89,7 +101,6 @@ def peak_mib() -> float:
 
 def child(args) -> dict:
     import torch
-    from transformers import LlamaForCausalLM
 
     import bcp_core as bcp
     kind, d = args.child, args.dir
@@ -105,11 +116,11 @@ def child(args) -> dict:
     elif kind == "from_pretrained":
         reset_peak()
         t = time.perf_counter()
-        LlamaForCausalLM.from_pretrained(out)
+        model_class(args).from_pretrained(out)
         seconds = time.perf_counter() - t
     else:
         cfg = config(args)
-        model = LlamaForCausalLM(cfg)
+        model = model_class(args)(cfg)
         state = {"model": model}
         if not kind.endswith("_weights"):
             state["optimizer"] = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -123,20 +134,26 @@ def child(args) -> dict:
 
 def run_child(args, kind: str) -> dict:
     cmd = [sys.executable, __file__, "--child", kind, "--dir", args.dir, "--hidden", str(args.hidden),
-           "--layers", str(args.layers), "--vocab", str(args.vocab)]
+           "--layers", str(args.layers), "--vocab", str(args.vocab), "--family", args.family,
+           "--experts", str(args.experts), "--expert-ffn", str(args.expert_ffn)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--family", choices=("llama", "mixtral"), default="llama")
     p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--layers", type=int, default=None, help="default: 8 (llama), 4 (mixtral)")
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--expert-ffn", type=int, default=512)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--dir", default="/tmp/bcp_mapbench")
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--child", default=None)
     args = p.parse_args()
+    if args.layers is None:
+        args.layers = 4 if args.family == "mixtral" else 8
     if args.child:
         print(json.dumps(child(args)))
         return
@@ -155,8 +172,10 @@ def main() -> None:
                "peak_rss_mib": max(best["export"]["peak_rss_mib"], best["from_pretrained"]["peak_rss_mib"])}
     size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(os.path.join(args.dir, "megatron"))
                for f in fs)
-    report = {"model": {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab,
-                        "checkpoint_mib": round(size / 2**20, 1)},
+    model = {"family": args.family, "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab}
+    if args.family == "mixtral":
+        model.update(experts=args.experts, expert_ffn=args.expert_ffn)
+    report = {"model": {**model, "checkpoint_mib": round(size / 2**20, 1)},
               "runs": {k: {"seconds": round(v["seconds"], 3), "peak_rss_mib": round(v["peak_rss_mib"], 1)}
                        for k, v in best.items()},
               "ratios": {
