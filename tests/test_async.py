@@ -36,14 +36,20 @@ def _saves_while_training(model, optim, path, role, wait_each=False, **save_kw):
 
 
 def _assert_each_holds_its_call(handles, snapshots, rank, what):
-    """Each checkpoint holds the state as of its own save call (compared on rank 0; collective)."""
+    """Each checkpoint holds the state as of its own save call (compared on rank 0, after every load:
+    the loads are collective, and a rank that raised early would leave the other waiting in one)."""
+    differ = []
     for k, h in enumerate(handles):
         h.wait()
         fresh, fresh_opt = build("fsdp2", seed=99)
         bcp.load(h.path, {"model": fresh, "optimizer": fresh_opt})
         loaded = full_state(fresh, fresh_opt)
         if rank == 0:
-            assert_same(snapshots[k], loaded, f"{what} {k}")
+            try:
+                assert_same(snapshots[k], loaded, f"{what} {k}")
+            except AssertionError as e:
+                differ.append(str(e))
+    assert not differ, differ
 
 
 def _async_scenarios(rank, world_size, root):
