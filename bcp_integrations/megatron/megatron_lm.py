@@ -17,7 +17,11 @@ dist_checkpointing. So rather than touching each of those places:
    for `--ckpt-fully-parallel-save`), to bcp;
 3. loads need nothing: the routing reads a checkpoint whose `metadata.json` names bcp with bcp, so a
    bcp checkpoint resumes under any `--ckpt-format`, and a torch_dist one still loads under
-   `--ckpt-format bcp`.
+   `--ckpt-format bcp`;
+4. the distributed optimizer's `fully_reshardable` state (`--dist-ckpt-optim-fully-reshardable`) is
+   saved gather-free (`optimizer.fully_reshardable_param_state`), which also avoids Megatron's own
+   save of that layout misplacing the state of every parameter after a padded bucket boundary
+   (docs/megatron.md, "Distributed optimizer"). Megatron's own loader reads it.
 """
 
 from __future__ import annotations
@@ -81,4 +85,21 @@ def enable_megatron_lm() -> None:
         return add_ckpt_format_choice(original(parser, *args, **kwargs))
 
     arguments.add_megatron_arguments = add_megatron_arguments
+    _save_fully_reshardable_gather_free()
     _state["enabled"] = True
+
+
+def _save_fully_reshardable_gather_free() -> None:
+    """In a run that chose bcp, `DistributedOptimizer`'s fully_reshardable param state for a save is
+    bcp's gather-free one (the same keys and shapes; its loader is unchanged)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from .optimizer import fully_reshardable_param_state
+    original = DistributedOptimizer.sharded_param_state_fully_reshardable
+
+    def sharded_param_state_fully_reshardable(self, model_sharded_state_dict, is_loading=False, metadata=None):
+        if bcp_selected() and not is_loading:
+            return fully_reshardable_param_state(self, model_sharded_state_dict)
+        return original(self, model_sharded_state_dict, is_loading, metadata)
+
+    DistributedOptimizer.sharded_param_state_fully_reshardable = sharded_param_state_fully_reshardable
