@@ -54,14 +54,7 @@ def use_tree(tree: str) -> None:
     sys.path.insert(0, os.path.abspath(tree))  # also pretrain_gpt.py's siblings (gpt_builders, model_provider)
     if RECIPES not in sys.path:
         sys.path.append(RECIPES)  # recipes/_megatron_cpu.py
-    # megatron.training 0.18+ imports typing.override (new in Python 3.12)
-    if not hasattr(typing, "override"):
-        import typing_extensions
-        typing.override = typing_extensions.override
-    # megatron.training.initialize imports the batch-invariant kernels, which import triton (absent
-    # with CPU-only torch)
-    from _triton_stub import install_triton_stub
-    install_triton_stub()
+    _importable_on_this_python()
     # Megatron compiles helpers.cpp with `make` into its own tree at start-up (read-only here): load
     # the installed wheel's build of the same source under the name the tree imports
     name = "megatron.core.datasets.helpers_cpp"
@@ -69,6 +62,16 @@ def use_tree(tree: str) -> None:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
+
+
+def _importable_on_this_python() -> None:
+    # megatron.training 0.18+ imports typing.override (new in Python 3.12)
+    if not hasattr(typing, "override"):
+        import typing_extensions
+        typing.override = typing_extensions.override
+    # Megatron's modules of triton kernels (triton is absent with CPU-only torch)
+    from _triton_stub import install_triton_stub
+    install_triton_stub()
 
 
 def _patch(obj, name: str, new) -> None:
@@ -97,10 +100,7 @@ def install() -> None:
         return original_initialize(*args, **kwargs)
     _patch(training, "initialize_megatron", initialize_megatron)
 
-    # _initialize_distributed builds the model-parallel groups and seeds the model-parallel RNG
-    # tracker only when it sees a device
-    _patch(torch.cuda, "device_count", lambda: 1)
-    _patch(torch.cuda, "set_device", lambda *a, **k: None)
+    _one_device()
     _patch(torch.cuda, "manual_seed", lambda *a, **k: None)
     # the RNG state saved with and restored from each checkpoint
     _patch(torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state())
@@ -118,6 +118,26 @@ def install() -> None:
     # validate_args asks the GPU's compute capability whenever TP > 1
     _patch(arguments, "get_device_arch_version", lambda: 9)
     _distributed_optimizer_with_torch_adam()
+
+
+def _one_device() -> None:
+    """One CUDA device to count and select: _initialize_distributed builds the model-parallel groups
+    and seeds the model-parallel RNG tracker only when it sees a device; the persistent checkpoint
+    worker selects `rank % device_count()` first thing."""
+    import torch
+    _patch(torch.cuda, "device_count", lambda: 1)
+    _patch(torch.cuda, "set_device", lambda *a, **k: None)
+
+
+def install_in_spawned_process() -> None:
+    """What a process Megatron spawns needs of `use_tree()` and `install()`: it only writes
+    checkpoints (the persistent async worker; the writers' result-queue manager), with the parent's
+    sys.path. It imports megatron.core (0.18+: triton kernel modules), selects its device, then waits
+    for the copies to the host it made (preload_tensors)."""
+    import torch
+    _importable_on_this_python()
+    _one_device()
+    _patch(torch.cuda, "synchronize", lambda *a, **k: None)
 
 
 def _distributed_optimizer_with_torch_adam() -> None:

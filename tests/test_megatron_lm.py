@@ -67,6 +67,13 @@ FULLY_RESHARDABLE = ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-res
 ASYNC = ["--async-save", "--use-persistent-ckpt-worker", "--ckpt-fully-parallel-save", "--ckpt-fully-parallel-load"]
 
 
+def async_flags(release: str) -> list[str]:
+    """ASYNC, and from 0.17 on Megatron-core's own async strategy: the default, "nvrx", needs
+    nvidia-resiliency-ext (a CUDA package)."""
+    version = tuple(int(x) for x in release.removeprefix("core_v").split("."))
+    return ASYNC + (["--async-strategy", "mcore"] if version >= (0, 17) else [])
+
+
 def tree(release: str) -> str:
     path = os.path.join(TREES, release)
     if not os.path.isdir(path):
@@ -221,7 +228,7 @@ def test_stop_and_resume(release, fmt, variant, uninterrupted, tmp_path):
     through the persistent async worker, fully parallel, and loads fully parallel; its uninterrupted
     run saves synchronously."""
     training = [] if variant == "plain" else DISTRIBUTED_OPTIMIZER
-    saving = [] if variant == "plain" else ASYNC
+    saving = [] if variant == "plain" else async_flags(release)
     reference, ref_dir = uninterrupted(release, fmt, *training)
     workdir = str(tmp_path)
     stopped = pretrain(release, workdir, *training, *saving, "--exit-interval", str(SAVE_INTERVAL), fmt=fmt)

@@ -25,6 +25,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import megatron_lm_cpu  # noqa: E402
 
+if __name__ == "__mp_main__":  # a process Megatron spawned, which imports this launcher as its main module
+    megatron_lm_cpu.install_in_spawned_process()
+
 
 def record_losses(directory: str, delay: float) -> None:
     """Wrap Megatron-LM's training_log (same leading arguments in 0.16 to 0.19) to record each
