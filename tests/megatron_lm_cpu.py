@@ -1,13 +1,13 @@
 """Megatron-LM's own training loop (`pretrain_gpt.py`) on CPU with gloo, for the tests that run it
 (tests/jobs/megatron_lm_pretrain.py, tests/test_megatron_lm.py). On a GPU machine do not use it.
 
-Megatron-LM assumes CUDA well beyond Megatron-core's DDP and DistributedOptimizer (whose stand-ins
-are recipes/_megatron_cpu.py's `cuda_on_cpu()`, entered here for the whole run). Each stand-in
-below names the place that needs it; all are test-environment stand-ins, none belongs in bcp.
-
-`use_tree(tree)` comes first, before anything imports `megatron`: it puts a Megatron-LM source
-tree (BCP_MEGATRON_LM/<release>) first on sys.path and makes its imports work on this Python;
-`install()` then replaces the CUDA calls once `megatron.training` is importable.
+`use_release(release)` comes first, before anything imports `megatron`: Megatron-LM's source tree of
+that release goes first on the path (tests/megatron_releases.py: $BCP_MEGATRON_LM/core_v<release>,
+with tests/megatron_py311's import stand-ins, in this process and in every process it starts), with
+its compiled dataset helpers. `install()` then replaces the CUDA calls Megatron-LM makes beyond
+Megatron-core's DDP and DistributedOptimizer (whose stand-ins are recipes/_megatron_cpu.py's
+`cuda_on_cpu()`, entered here for the whole run). Each stand-in names the place that needs it; all
+are test-environment stand-ins, none belongs in bcp.
 """
 
 from __future__ import annotations
@@ -18,20 +18,11 @@ import importlib.util
 import os
 import sys
 import sysconfig
-import typing
+
+import megatron_releases
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RECIPES = os.path.join(HERE, "..", "recipes")
-
-#: the environment variable naming the directory that holds core_v0.16.1/, core_v0.17.1/, ...
-TREES_ENV = "BCP_MEGATRON_LM"
-RELEASES = ("core_v0.16.1", "core_v0.17.1", "core_v0.19.0")
-
-
-def trees_root() -> str | None:
-    """The directory holding the Megatron-LM source trees, or None when this machine has none."""
-    root = os.environ.get(TREES_ENV)
-    return root if root and os.path.isdir(root) else None
 
 
 def site_packages() -> str:
@@ -47,14 +38,18 @@ def _wheel_helpers_so() -> str:
     return found[0]
 
 
-def use_tree(tree: str) -> None:
-    """Import Megatron-LM from `tree` (before `megatron` is imported anywhere in this process)."""
-    if "megatron" in sys.modules or "megatron.core" in sys.modules:
-        raise RuntimeError("megatron was imported before use_tree(): the installed wheel would shadow the tree")
-    sys.path.insert(0, os.path.abspath(tree))  # also pretrain_gpt.py's siblings (gpt_builders, model_provider)
+def use_release(release: str) -> str:
+    """Import Megatron-LM `release` ("0.19.0") from its source tree in this process and in the
+    processes it starts (before `megatron` is imported anywhere here); the tree's path."""
+    tree = megatron_releases.tree(release)
+    if tree is None:
+        raise RuntimeError(megatron_releases.skip_reason(release, need_tree=True))
+    # the processes Megatron spawns (its checkpoint writers' result queue, the persistent async
+    # worker) start a new interpreter: PYTHONPATH gives them the tree and the import stand-ins
+    os.environ.update(megatron_releases.env(release, need_tree=True))
+    megatron_releases.activate(release, need_tree=True)  # also pretrain_gpt.py's siblings (gpt_builders...)
     if RECIPES not in sys.path:
         sys.path.append(RECIPES)  # recipes/_megatron_cpu.py
-    _importable_on_this_python()
     # Megatron compiles helpers.cpp with `make` into its own tree at start-up (read-only here): load
     # the installed wheel's build of the same source under the name the tree imports
     name = "megatron.core.datasets.helpers_cpp"
@@ -62,16 +57,7 @@ def use_tree(tree: str) -> None:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
-
-
-def _importable_on_this_python() -> None:
-    # megatron.training 0.18+ imports typing.override (new in Python 3.12)
-    if not hasattr(typing, "override"):
-        import typing_extensions
-        typing.override = typing_extensions.override
-    # Megatron's modules of triton kernels (triton is absent with CPU-only torch)
-    from _triton_stub import install_triton_stub
-    install_triton_stub()
+    return tree
 
 
 def _patch(obj, name: str, new) -> None:
@@ -108,7 +94,7 @@ def install() -> None:
     # report_memory, after the first iterations
     for counter in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
         _patch(torch.cuda, counter, lambda *a, **k: 0)
-    # start-up: `make` of the dataset helpers (loaded by use_tree), fused CUDA kernels, and JIT
+    # start-up: `make` of the dataset helpers (loaded by use_release), fused CUDA kernels, and JIT
     # warm-up runs of the fused kernels (25 s of inductor compilation on CPU)
     from megatron.core.datasets import utils as dataset_utils
     _patch(dataset_utils, "compile_helpers", lambda: None)
@@ -130,12 +116,10 @@ def _one_device() -> None:
 
 
 def install_in_spawned_process() -> None:
-    """What a process Megatron spawns needs of `use_tree()` and `install()`: it only writes
-    checkpoints (the persistent async worker; the writers' result-queue manager), with the parent's
-    sys.path. It imports megatron.core (0.18+: triton kernel modules), selects its device, then waits
-    for the copies to the host it made (preload_tensors)."""
+    """What a process Megatron spawns needs of `install()`: it only writes checkpoints (the
+    persistent async worker; the writers' result-queue manager) and imports no megatron.training.
+    The worker selects its device, then waits for the copies to the host it made (preload_tensors)."""
     import torch
-    _importable_on_this_python()
     _one_device()
     _patch(torch.cuda, "synchronize", lambda *a, **k: None)
 

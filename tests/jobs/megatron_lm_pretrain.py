@@ -1,9 +1,9 @@
 """Megatron-LM's own `pretrain_gpt.py`, run as its users run it, on CPU with gloo.
 
-    torchrun --nproc_per_node 2 tests/jobs/megatron_lm_pretrain.py --tree DIR --record DIR [--bcp]
-        [--iteration-delay S] -- <pretrain_gpt.py arguments>
+    BCP_MEGATRON_LM=../shared/megatron_lm torchrun --nproc_per_node 2 tests/jobs/megatron_lm_pretrain.py
+        --release 0.19.0 --record DIR [--bcp] [--iteration-delay S] -- <pretrain_gpt.py arguments>
 
---tree: a Megatron-LM source tree ($BCP_MEGATRON_LM/core_v0.16.1, ...), imported instead of the
+--release: the Megatron-LM source tree $BCP_MEGATRON_LM/core_v<release> is imported instead of the
 installed megatron-core; the CPU stand-ins of tests/megatron_lm_cpu.py are installed, then the
 tree's pretrain_gpt.py runs as `__main__` with the given arguments. --record: each rank that logs
 an iteration's loss (the last pipeline stage) appends it to DIR/losses_rank<r>.jsonl as
@@ -51,7 +51,7 @@ def record_losses(directory: str, delay: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tree", required=True, help="Megatron-LM source tree (core_v<version>)")
+    parser.add_argument("--release", required=True, help="Megatron-LM release: 0.16.1, 0.17.1, 0.19.0")
     parser.add_argument("--record", required=True, help="directory for losses_rank<r>.jsonl")
     parser.add_argument("--iteration-delay", type=float, default=0.0, help="seconds each logged iteration waits")
     parser.add_argument("--bcp", action="store_true", help="enable_megatron_lm() first (--ckpt-format bcp)")
@@ -61,14 +61,14 @@ def main() -> None:
 
     # validate_args requires it for TP > 1 (it orders CUDA kernel launches; nothing on CPU)
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    megatron_lm_cpu.use_tree(ours.tree)
+    tree = megatron_lm_cpu.use_release(ours.release)
     megatron_lm_cpu.install()
     os.makedirs(ours.record, exist_ok=True)
     record_losses(ours.record, ours.iteration_delay)
     if ours.bcp:
         from bcp_integrations.megatron import enable_megatron_lm
         enable_megatron_lm()
-    script = os.path.join(ours.tree, "pretrain_gpt.py")
+    script = os.path.join(tree, "pretrain_gpt.py")
     sys.argv = [script, *megatron_argv]
     # pretrain_gpt.py runs as `__main__` in a namespace of its own while this launcher stays
     # sys.modules["__main__"]: the processes Megatron spawns (the result queue of its checkpoint
