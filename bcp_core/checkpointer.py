@@ -54,10 +54,10 @@ from .errors import BCPError, CommitCallbackError, CommTimeoutError, MetadataErr
 from .flatten import save_leaves
 from .layout import BCP_STEPS, write_tracker
 from .metadata import CHECKSUM_BLOCK_BYTES, FAILED_FILE, METADATA_FILE, dtype_name
-from .save_planner import (Assignment, Committed, GlobalSavePlan, LocalSavePlan, ObjectShardKey, PlanReply,
-                           PlanRequest, RankValueKey, ResendStructure, SaveFailed, SaveId, TensorBoxKey,
+from .save_planner import (Assignment, Committed, GatheredRequests, GlobalSavePlan, LocalSavePlan, ObjectShardKey,
+                           PlanReply, PlanRequest, RankValueKey, ResendStructure, SaveFailed, SaveId, TensorBoxKey,
                            UseCachedPlan, WriteReport, build_metadata, failed_report, global_save_plan,
-                           local_save_plan, plan_replies)
+                           local_save_plan, merge_plan_messages, plan_message, plan_replies, read_plan_messages)
 from .snapshot import ForkSnapshot, can_fork
 from .staging import LazyCopy, StagingPool, box_sources, contiguous_cpu, pool_key
 from .storage import Storage, storage_for
@@ -319,8 +319,9 @@ class Checkpointer:
         self._remember(job.plan.key, agreed)
         return agreed
 
-    def _decide(self, job: SaveJob, requests: list[PlanRequest], world: int):
+    def _decide(self, job: SaveJob, gathered: GatheredRequests, world: int):
         """Coordinator: the answer to every rank's PlanRequest (one record, or one per rank)."""
+        requests = gathered.requests
         _check_ids(requests, job.save)
         errors = [r.error for r in requests if r.error]
         if errors:
@@ -339,7 +340,7 @@ class Checkpointer:
                 answer = ResendStructure(job.save)
         elif all(r.structure is not None for r in requests):
             writable = [None if r.writable is None else {tuple(b) for b in r.writable} for r in requests]
-            gplan = global_save_plan([r.structure for r in requests], writable)
+            gplan = global_save_plan([r.structure for r in requests], writable, gathered.entries)
             self._plan_ids += 1
             plan_id = f"{self._token}.{self._plan_ids}"
             self._remember(requests[0].key, CachedPlan(gplan.assignments[0], plan_id, gplan,
@@ -366,15 +367,21 @@ class Checkpointer:
     def _round(self, comm: Comm, job: SaveJob, op: str, request, decide):
         """One exchange: every rank's request up to the coordinator, its answer back down (the same
         record for all, or one per rank). Raises SaveError on every rank if the answer is a failure."""
+        planning = isinstance(request, PlanRequest)  # its tensor entries merged on the way up
         try:
-            raw = comm.gather(codec.to_wire(request), op, job.timeout)
+            if planning:
+                raw = comm.gather(plan_message(request, comm.rank), op, job.timeout, merge=merge_plan_messages)
+            else:
+                raw = comm.gather(codec.to_wire(request), op, job.timeout)
         except CommTimeoutError as e:  # tell the ranks that did arrive (leaders pass it on), then fail alike
             comm.broadcast(codec.to_wire(SaveFailed(job.save, str(e))), op, job.timeout)
             raise SaveError(f"{job.what} failed and was not committed: {e}") from None
         answer = None
         if comm.is_coordinator:
             try:
-                answer = decide(job, _expect(raw, type(request), job.save), comm.world_size)
+                records = read_plan_messages(raw, comm.world_size, job.save) if planning else \
+                    _expect(raw, type(request), job.save)
+                answer = decide(job, records, comm.world_size)
             except Exception as e:  # noqa: BLE001 - sent to every rank so that every rank raises
                 answer = SaveFailed(job.save, _message(e))
         if isinstance(answer, list):

@@ -16,8 +16,10 @@ Messages flow over a tree (paper §5.2), so that no rank waits on, or decodes, t
 messages: the ranks of one node form the first level under the node's lowest rank (its leader);
 node leaders are grouped `fan_in` at a time under the lowest rank of each group, and so on until
 one root, the coordinator (rank 0). No tree node has more than `fan_in` children. A gather sends
-each subtree's messages as one combined message (concatenated JSON, never re-encoded on the way);
-a broadcast or scatter walks the tree down. The node size comes from the launcher
+each subtree's messages as one combined message (concatenated JSON, never re-encoded on the way),
+or, given a merge function, what each leader merged of its subtree (a save's plan requests: the
+replicas of an entry grouped, so the coordinator reads each once per subtree); a broadcast or
+scatter walks the tree down. The node size comes from the launcher
 (`LOCAL_WORLD_SIZE`), or `BCP_LOCAL_WORLD_SIZE` to simulate several nodes on one machine;
 `BCP_FAN_IN` overrides the fan-in.
 """
@@ -27,7 +29,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -230,9 +232,10 @@ class Comm:
 
     # -- up the tree -------------------------------------------------------------------------------
 
-    def _up(self, base: str, mine: bytes, op: str, timeout: timedelta) -> bytes | None:
-        """This subtree's messages as one JSON array in rank order: sent to the parent, or returned
-        on the coordinator."""
+    def _up(self, base: str, mine: Any, op: str, timeout: timedelta, merge: Callable[[list], Any] | None = None):
+        """This subtree's messages, sent to the parent or returned on the coordinator: as one JSON
+        array in rank order (`mine`: this rank's message, encoded), or, with `merge`, what `merge`
+        makes of this rank's object `mine` and the children's subtree objects, in rank order."""
         parts = [mine]
         levels = self.tree.children[self.rank]
         if levels:
@@ -241,10 +244,14 @@ class Comm:
         for kids in levels:
             keys = [f"{base}/{c}" for c in kids]
             self._wait_up(base, keys, kids, op, timeout)
-            parts.extend(v[1:-1] for v in self._store.multi_get(keys))  # strip each array's brackets
-        combined = b"[" + b",".join(parts) + b"]"
+            received = self._store.multi_get(keys)
+            if merge is None:
+                parts.extend(v[1:-1] for v in received)  # strip each array's brackets
+            else:
+                parts.extend(_decode_all(received))
+        combined = b"[" + b",".join(parts) + b"]" if merge is None else merge(parts)
         if not self.is_coordinator:
-            self._store.set(f"{base}/{self.rank}", combined)
+            self._store.set(f"{base}/{self.rank}", combined if merge is None else _encode(combined))
             return None
         # Every rank has sent this operation, so all have finished the operations before it.
         for k in self._stale:
@@ -310,13 +317,21 @@ class Comm:
 
     # -- operations --------------------------------------------------------------------------------
 
-    def gather(self, obj: Any, op: str, timeout: timedelta = DEFAULT_TIMEOUT) -> list[Any] | None:
-        """Every rank's `obj` on the coordinator (in rank order); None elsewhere."""
+    def gather(self, obj: Any, op: str, timeout: timedelta = DEFAULT_TIMEOUT,
+               merge: Callable[[list], Any] | None = None) -> Any:
+        """Every rank's `obj` on the coordinator (in rank order); None elsewhere.
+
+        With `merge`, each tree node passes up what `merge(parts)` makes of its subtree instead of
+        the concatenation: `parts` are its own `obj` and its children's results, in rank order, and
+        `obj` is a result for one rank (of the type merge returns), so merging consecutive
+        subtrees in any grouping gives the same (save_planner.merge_plan_messages). The
+        coordinator returns merge's result over every rank.
+        """
         if not self.distributed:
             self.collectives += 1
-            return [obj]
-        combined = self._up(self._key(op), _encode(obj), op, timeout)
-        return None if combined is None else _decode(combined)
+            return [obj] if merge is None else merge([obj])
+        combined = self._up(self._key(op), _encode(obj) if merge is None else obj, op, timeout, merge)
+        return combined if combined is None or merge is not None else _decode(combined)
 
     def broadcast(self, obj: Any, op: str, timeout: timedelta = DEFAULT_TIMEOUT) -> Any:
         """The coordinator's `obj` on every rank (`obj` is read on the coordinator only)."""
@@ -417,6 +432,11 @@ def _members_id(members) -> str:
 
 def _encode(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
+
+
+@gc_paused  # a leader's children's messages: many small objects together (see _decode)
+def _decode_all(messages: list[bytes]) -> list[Any]:
+    return [parse_json(m, "bcp message") for m in messages]
 
 
 def _decode(data: bytes) -> Any:

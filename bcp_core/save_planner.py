@@ -3,9 +3,11 @@
 1. Every rank describes what it holds (`local_save_plan`): a `SaveStructure` (keys, shapes, boxes,
    grid indices; the same from save to save while the layout does not change, so its digest keys
    the plan cache) and the values that change every save.
-2. The coordinator checks the structures agree, writes each distinct box once, giving replicated
-   boxes to the least-loaded holder (worst-fit on bytes, paper §4.1), and spreads object shards
-   (`global_save_plan`): one `Assignment` per rank.
+2. The requests travel up the communication tree, each leader merging its subtree's
+   (`plan_message`, `merge_plan_messages`: replicated entries grouped). The coordinator checks the
+   structures agree, writes each distinct box once, giving replicated boxes to the least-loaded
+   holder (worst-fit on bytes, paper §4.1), and spreads object shards (`global_save_plan`): one
+   `Assignment` per rank.
 3. After writing, every rank reports its pieces (`WriteReport`); the coordinator turns the reports
    into the checkpoint's metadata (`build_metadata`).
 
@@ -15,11 +17,12 @@ codec (`codec.to_wire`), never pickled.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -29,7 +32,7 @@ from .engine import WrittenPiece
 from .errors import MetadataError, PlanError, SaveError
 from .flatten import SaveLeaf
 from .metadata import (CheckpointMetadata, ObjectPiece, ObjectValue, PerRankMeta, Piece, ShardedObjectMeta,
-                       TensorMeta, dtype_from_name, dtype_name, element_size, parse_json)
+                       TensorMeta, brief, dtype_from_name, dtype_name, element_size, parse_json)
 from .shards import LocalTensor, ObjectShard, is_tensor_like, local_tensor, tiling_fault
 from .utils import digest, gc_paused
 
@@ -41,9 +44,10 @@ log = logging.getLogger("bcp")
 class TensorEntry(NamedTuple):
     """A tensor this rank holds: its global shape and the boxes ([offsets, lengths]) it has.
 
-    It travels as its canonical JSON text (`text`): replicas hold identical entries, so the
-    coordinator groups the ranks' entries by their text and parses each distinct one once (at 8,960
-    ranks of a 405B model, 43 thousand distinct entries of 469 thousand; bench/plan_scale.py)."""
+    It travels as its canonical JSON text (`text`): replicas hold identical entries, so the tree's
+    leaders group the ranks' entries by their text on the way up (`merge_plan_messages`) and the
+    coordinator parses each distinct one once (at 8,960 ranks of a 405B model, 43 thousand distinct
+    entries of 469 thousand; bench/plan_scale.py)."""
     fqn: str
     dtype: str
     shape: list[int]
@@ -59,44 +63,45 @@ class TensorEntry(NamedTuple):
 
     @classmethod
     def parse_all(cls, texts) -> list[TensorEntry]:
-        """The entries `texts` hold, in one JSON parse; PlanError naming the first that is not one.
-        Their numbers (after the last string: the dtype) are checked on the text by one regular
-        expression: non-negative integers, in exactly an entry's nesting."""
-        texts = list(texts)
-        if all(map(_entry_text, texts)):
-            try:
-                parsed = parse_json("[" + ",".join(texts) + "]", "tensor entries")
-            except MetadataError:
-                parsed = None
-            if parsed is not None and len(parsed) == len(texts) and all(map(_entry_fields, parsed)):
-                return [cls(*e) for e in parsed]
-        bad = next((t for t in texts if not _one_entry(t)), texts[0] if texts else "")
-        raise PlanError(f"malformed tensor entry in a rank's plan request: {str(bad)[:200]!r}")
+        """The entries `texts` hold; PlanError naming the first that is not one (`parse_entries`)."""
+        return [cls(*e) for e in parse_entries(list(texts))]
 
 
-def _entry_text(text) -> bool:
-    """Whether `text` looks like an entry's canonical text: a list whose numbers are well formed."""
-    return type(text) is str and text.startswith('["') and \
-        _ENTRY_NUMBERS.fullmatch(text, text.rfind('"') + 1) is not None
-
-
-def _entry_fields(e) -> bool:
-    return type(e) is list and len(e) == 4 and type(e[0]) is str and type(e[1]) is str
+def parse_entries(texts: list) -> list[list]:
+    """The entries `texts` hold, each as its list [fqn, dtype, shape, boxes], in one JSON parse;
+    PlanError naming the first that is not one. Each text is checked first by one regular expression
+    (`_ENTRY`): two strings, then non-negative integers in exactly an entry's nesting, so what the
+    parse gives needs no check of its own."""
+    try:
+        well_formed = all(map(_ENTRY.fullmatch, texts))
+    except TypeError:  # not a string
+        well_formed = False
+    if well_formed:
+        try:
+            parsed = parse_json("[" + ",".join(texts) + "]", "tensor entries")
+        except MetadataError:
+            parsed = None
+        if parsed is not None and len(parsed) == len(texts):
+            return parsed
+    bad = next((t for t in texts if not _one_entry(t)), texts[0] if texts else "")
+    raise PlanError(f"malformed tensor entry in a rank's plan request: {str(bad)[:200]!r}")
 
 
 def _one_entry(text) -> bool:
     """Whether `text` alone is a well-formed entry (to name the first one that is not)."""
-    if not _entry_text(text):
+    if type(text) is not str or not _ENTRY.fullmatch(text):
         return False
     try:
-        return _entry_fields(parse_json(text, "tensor entry"))
+        return type(parse_json(text, "tensor entry")) is list
     except MetadataError:
         return False
 
 
+_STR = r'"[^"\\]*(?:\\.[^"\\]*)*"'  # a JSON string's characters and escapes (json checks the escapes)
 _INTS = r"(?:\d+(?:,\d+)*)?"
 _BOX = rf"\[\[{_INTS}\],\[{_INTS}\]\]"
-_ENTRY_NUMBERS = re.compile(rf",\[{_INTS}\],\[(?:{_BOX}(?:,{_BOX})*)?\]\]")  # ,[shape],[[[offs],[lens]],...]]
+# [fqn,dtype,[shape],[[[offs],[lens]],...]]
+_ENTRY = re.compile(rf"\[{_STR},{_STR},\[{_INTS}\],\[(?:{_BOX}(?:,{_BOX})*)?\]\]")
 
 
 class PerRankEntry(NamedTuple):
@@ -252,12 +257,129 @@ class Committed:
 
 @gc_paused  # one reply per rank: see utils.gc_paused
 def plan_replies(gplan: GlobalSavePlan, save: SaveId, token: str, plan_id: str) -> list[dict]:
-    """Each rank's PlanReply, ready for the scatter."""
-    return [codec.to_wire(PlanReply(save, a, token, plan_id)) for a in gplan.assignments]
+    """Each rank's PlanReply as `codec.to_wire` gives it, ready for the scatter: only the assignment
+    differs from rank to rank, the rest is encoded once."""
+    reply = codec.to_wire(PlanReply(save, Assignment((), ()), token, plan_id))
+    fields = reply["fields"]
+    return [{"record": reply["record"], "fields": [fields[0], codec.to_wire(a), *fields[2:]]}
+            for a in gplan.assignments]
 
 
 def failed_report(save: SaveId, error: str) -> WriteReport:
     return WriteReport(save, None, {}, {}, (), {}, (), (), error)
+
+
+# ----------------------------------------------------------------------------- plan requests up the tree
+#
+# A subtree's plan requests travel as one message (a plain JSON object), its ranks in rank order:
+#   "keys": each rank's structure digest (PlanRequest.key);
+#   "bodies", "body": the rest of each rank's request, without its tensor entries, as JSON texts, each
+#       distinct one once ("bodies"), and which one each rank sent ("body": indices);
+#   "counts": how many tensor entries each rank had;
+#   "texts", "held": the entries grouped as `group_entries` groups them, each distinct text once, with
+#       the ranks holding it ([rank, entry index, ...]).
+# Tree leaders merge their children's messages (`Comm.gather(merge=)`): the data-parallel replicas of a
+# weight shard, and requests alike but for their key, reach the coordinator once per subtree rather than
+# once per rank, and the coordinator neither decodes nor groups them again.
+
+def plan_message(request: PlanRequest, rank: int) -> dict:
+    """The message of the subtree of rank `rank` alone."""
+    texts = list(request.structure.tensors) if request.structure is not None else []
+    body = replace(request, key=None, structure=None if request.structure is None else
+                   replace(request.structure, tensors=()))
+    return {"keys": [request.key], "bodies": [json.dumps(codec.to_wire(body), separators=(",", ":"))],
+            "body": [0], "counts": [len(texts)], "texts": texts, "held": [[rank, ti] for ti in range(len(texts))]}
+
+
+@gc_paused  # the coordinator merges every rank's message: see utils.gc_paused
+def merge_plan_messages(parts: list) -> dict:
+    """The message of consecutive subtrees whose messages are `parts` (in rank order). A part that is
+    not a plan message goes on as one rank's request that the coordinator cannot read (and names)."""
+    keys, bodies, body, counts, texts, held = [], [], [], [], [], []
+    body_index: dict[str, int] = {}
+    text_index: dict[str, int] = {}
+    for part in parts:
+        if not _is_plan_message(part):
+            part = {"keys": [None], "bodies": [""], "body": [0], "counts": [0], "texts": [], "held": []}
+        keys += part["keys"]
+        counts += part["counts"]
+        to = []  # index in `bodies` of each of the part's bodies
+        for b in part["bodies"]:
+            i = body_index.get(b)
+            if i is None:
+                i = body_index[b] = len(bodies)
+                bodies.append(b)
+            to.append(i)
+        body += [to[i] for i in part["body"]]
+        for text, h in zip(part["texts"], part["held"]):
+            i = text_index.get(text)
+            if i is None:
+                text_index[text] = len(texts)
+                texts.append(text)
+                held.append(list(h))  # a copy: the parts stay as they were
+            else:
+                held[i] += h
+    return {"keys": keys, "bodies": bodies, "body": body, "counts": counts, "texts": texts, "held": held}
+
+
+_MESSAGE_LISTS = ("keys", "bodies", "body", "counts", "texts", "held")
+
+
+def _is_plan_message(m) -> bool:
+    """Whether `m` has a plan message's form (what merging relies on; the coordinator checks the rest)."""
+    return (type(m) is dict and all(type(m.get(k)) is list for k in _MESSAGE_LISTS)
+            and len(m["keys"]) == len(m["body"]) == len(m["counts"]) and len(m["texts"]) == len(m["held"])
+            and set(map(type, m["bodies"])) <= {str} and set(map(type, m["texts"])) <= {str}
+            and set(map(type, m["held"])) <= {list} and set(map(type, m["body"])) <= {int}
+            and (not m["body"] or 0 <= min(m["body"]) and max(m["body"]) < len(m["bodies"])))
+
+
+@dataclass
+class GatheredRequests:
+    """Every rank's PlanRequest on the coordinator (their structures without tensor entries) and the
+    entries, grouped (`group_entries`)."""
+
+    requests: list[PlanRequest]
+    entries: dict[str, list[int]]
+
+
+def _entries_fit(counts: list, held: list, world: int) -> bool:
+    """Whether the grouped entries hold as many (rank, entry index) pairs as the ranks had entries,
+    each of a rank of the job and an index within the most any rank had (checked on all the pairs at
+    once: each `held` list has an even length, so their concatenation keeps the pairs aligned)."""
+    if set(map(type, counts)) - {int} or not all(held) or any(len(h) % 2 for h in held):
+        return False
+    pairs = list(itertools.chain.from_iterable(held))
+    if set(map(type, pairs)) - {int} or len(pairs) != 2 * sum(counts):
+        return False
+    ranks, indices = pairs[::2], pairs[1::2]
+    return not pairs or (min(ranks) >= 0 and max(ranks) < world and min(indices) >= 0
+                         and max(indices) < max(counts))
+
+
+@gc_paused
+def read_plan_messages(message, world: int, save: SaveId) -> GatheredRequests:
+    """The coordinator's view of the merged plan message of every rank: SaveError naming a rank whose
+    request is not one, PlanError if the grouped entries do not fit the requests."""
+    if not _is_plan_message(message) or len(message["keys"]) != world:
+        raise SaveError(f"the ranks' plan requests for {save} arrived malformed ({brief(message)})")
+    bodies = []
+    for i, text in enumerate(message["bodies"]):
+        try:
+            bodies.append(codec.from_wire(parse_json(text, "plan request"), PlanRequest))
+        except MetadataError as e:
+            r = next((r for r, b in enumerate(message["body"]) if b == i), "?")
+            raise SaveError(f"rank {r} sent an unexpected message for {save}: {e}") from None
+    keys = message["keys"]
+    if set(map(type, keys)) - {str, type(None)}:
+        r = next(r for r, k in enumerate(keys) if k is not None and type(k) is not str)
+        raise SaveError(f"rank {r} sent an unexpected message for {save}: key {brief(keys[r])}")
+    requests = [PlanRequest(save=b.save, key=k, plan=b.plan, structure=b.structure, writable=b.writable,
+                            error=b.error) for k, b in zip(keys, map(bodies.__getitem__, message["body"]))]
+    entries = dict(zip(message["texts"], message["held"]))
+    if len(entries) != len(message["held"]) or not _entries_fit(message["counts"], message["held"], world):
+        raise PlanError(f"the ranks' tensor entries for {save} arrived inconsistent with their requests")
+    return GatheredRequests(requests, entries)
 
 
 # ----------------------------------------------------------------------------- local plan
@@ -343,30 +465,41 @@ class GlobalSavePlan:
     bytes_per_rank: list[int]
 
 
-@metrics.timed("plan")
-@gc_paused
-def global_save_plan(structures: list[SaveStructure],
-                     writable: list[set[tuple[int, int]] | None] | None = None) -> GlobalSavePlan:
-    """Who writes what. `writable[r]`, if given and not None, limits rank r to those boxes ((tensor,
-    box) indices): an asynchronous save staged only its cached assignment and can write no other."""
-    world = len(structures)
-    # Replicas hold identical entries: group the ranks' entries by their text, then read each
-    # distinct entry once. A box's holders are kept as (ranks holding an entry, box index) pairs.
-    entries: dict[str, list[tuple[int, int]]] = {}  # an entry's text -> [(rank, ti)] of every rank holding it
+def group_entries(structures: list[SaveStructure]) -> dict[str, list[int]]:
+    """The ranks' tensor entries grouped by their text (replicas hold identical ones), in the order the
+    ranks first hold them: each text -> the ranks holding it, as one flat list [rank, entry index,
+    rank, entry index, ...] in rank order."""
+    entries: dict[str, list[int]] = {}
     for r, structure in enumerate(structures):
         for ti, text in enumerate(structure.tensors):
             held = entries.get(text)
             if held is None:
-                entries[text] = [(r, ti)]
+                entries[text] = [r, ti]
             else:
-                held.append((r, ti))
+                held += (r, ti)
+    return entries
+
+
+@metrics.timed("plan")
+@gc_paused
+def global_save_plan(structures: list[SaveStructure], writable: list[set[tuple[int, int]] | None] | None = None,
+                     entries: dict[str, list[int]] | None = None) -> GlobalSavePlan:
+    """Who writes what. `writable[r]`, if given and not None, limits rank r to those boxes ((tensor,
+    box) indices): an asynchronous save staged only its cached assignment and can write no other.
+    `entries`: the structures' tensor entries already grouped (`group_entries`; the tree merges
+    them on the way up, `merge_plan_messages`), the structures' own `tensors` then unused."""
+    world = len(structures)
+    if entries is None:
+        entries = group_entries(structures)
+    # Each distinct entry is read once. A box's holders are kept as (ranks holding an entry, box
+    # index) pairs, the ranks as the entry's flat [rank, entry index, ...] list.
     tensor_info: dict[str, tuple[str, list[int], int]] = {}   # fqn -> dtype, shape, first rank
-    holders: dict[tuple, list[tuple[list[tuple[int, int]], int]]] = {}  # (fqn, offs, lens) -> [(held, bi)]
-    for (fqn, dt, shape, boxes), held in zip(TensorEntry.parse_all(entries), entries.values()):
-        seen = tensor_info.setdefault(fqn, (dt, shape, held[0][0]))
+    holders: dict[tuple, list[tuple[list[int], int]]] = {}  # (fqn, offs, lens) -> [(held, bi)]
+    for (fqn, dt, shape, boxes), held in zip(parse_entries(list(entries)), entries.values()):
+        seen = tensor_info.setdefault(fqn, (dt, shape, held[0]))
         if (seen[0], seen[1]) != (dt, shape):
             raise PlanError(f"tensor {fqn!r}: rank {seen[2]} has dtype {seen[0]} shape {tuple(seen[1])} "
-                            f"but rank {held[0][0]} has dtype {dt} shape {tuple(shape)}")
+                            f"but rank {held[0]} has dtype {dt} shape {tuple(shape)}")
         for bi, (offs, lens) in enumerate(boxes):
             holders.setdefault((fqn, tuple(offs), tuple(lens)), []).append((held, bi))
     del entries
@@ -380,29 +513,29 @@ def global_save_plan(structures: list[SaveStructure],
     esize = {dt: element_size(dtype_from_name(dt)) for dt in {v[0] for v in tensor_info.values()}}
     for key, segments in holders.items():
         if writable is not None:
-            able = [([(r, ti) for r, ti in held if writable[r] is None or (ti, bi) in writable[r]], bi)
-                    for held, bi in segments]
+            able = [([x for r, ti in zip(held[::2], held[1::2]) if writable[r] is None or (ti, bi) in writable[r]
+                      for x in (r, ti)], bi) for held, bi in segments]
             segments = [(held, bi) for held, bi in able if held]
             if not segments:
                 raise PlanError(f"tensor {key[0]!r} box offsets {list(key[1])} lengths {list(key[2])}: ranks "
                                 f"{_ranks(holders[key])} hold it but none staged it for this save (the structure "
                                 "changed on some ranks since the plan they reused); the next save plans afresh")
         nbytes = math.prod(key[2]) * esize[tensor_info[key[0]][0]]
-        if len(segments) == 1 and len(segments[0][0]) == 1:
-            (r, ti), bi = segments[0][0][0], segments[0][1]
+        if len(segments) == 1 and len(segments[0][0]) == 2:
+            (r, ti), bi = segments[0][0], segments[0][1]
             load[r] += nbytes
             writes[r].append((ti, bi))
         else:
             replicated.append((nbytes, key, segments))
     replicated.sort(key=lambda x: (-x[0], x[1]))
+    least_loaded = load.__getitem__
     for nbytes, _, segments in replicated:
         best = None
         for held, bi in segments:
-            loads = [load[r] for r, _ in held]
-            least = min(loads)
-            r, ti = held[loads.index(least)]  # `held` is in rank order: ties go to the lowest rank
-            if best is None or (least, r) < best[:2]:
-                best = (least, r, ti, bi)
+            ranks = held[::2]
+            r = min(ranks, key=least_loaded)  # the first of the least loaded: `held` is in rank order
+            if best is None or (load[r], r) < best[:2]:
+                best = (load[r], r, held[2 * ranks.index(r) + 1], bi)
         _, r, ti, bi = best
         load[r] += nbytes
         writes[r].append((ti, bi))
@@ -438,9 +571,9 @@ def global_save_plan(structures: list[SaveStructure],
     return GlobalSavePlan(assignments, info, object_keys, per_rank, grids, shard_holders, load)
 
 
-def _ranks(segments: list[tuple[list[tuple[int, int]], int]]) -> list[int]:
+def _ranks(segments: list[tuple[list[int], int]]) -> list[int]:
     """The ranks holding a box, from its holders' (held, bi) pairs."""
-    return sorted({r for held, _ in segments for r, _ in held})
+    return sorted({r for held, _ in segments for r in held[::2]})
 
 
 def _check_coverage(tensor_info, holders) -> None:

@@ -2,11 +2,12 @@
 
 Builds every rank's save-plan structure for a Llama-3-405B layout under Megatron-style 3D
 parallelism (paper Table 8: TP=8, DP=70, PP=16) without allocating a tensor, then runs the real
-coordinator code on it: decode the gathered messages, `global_save_plan`, cut the reply per rank,
-build and serialise the global metadata (`build_metadata`, `CheckpointMetadata.dumps`), and
-plan a load for one rank of another layout (parse the metadata, `box_read_items` on meta
-tensors). Communication is replaced by what it carries: each rank's message is its JSON bytes,
-and the tree's combined gather message is their concatenation.
+code of the tree's leaders and of the coordinator on it: each leader merges its subtree's plan
+messages (`merge_plan_messages`), the coordinator reads them, runs `global_save_plan`, cuts the
+reply per rank, builds and serialises the global metadata (`build_metadata`,
+`CheckpointMetadata.dumps`), and plans a load for one rank of another layout (parse the metadata,
+`box_read_items` on meta tensors). Communication is replaced by what it carries: each message is
+its JSON bytes, sent up the tree `Comm` builds (nodes of --gpus-per-node ranks, --fan-in).
 
 Model (documented in docs/monitoring.md): 126 layers, hidden 16384, FFN 53248, 128 query / 8 KV
 heads of 128, vocab 128256, untied output layer (~406B parameters). bf16 weights; TP shards
@@ -20,12 +21,14 @@ n-D boxes (`--zero param` instead splits every parameter over DP, a heavier plan
 has per-rank RNG state and one dataloader shard.
 
     python bench/plan_scale.py                    # the paper's layout
-    python bench/plan_scale.py --tp 2 --dp 4 --pp 2 --layers 4   # a quick run
+    python bench/plan_scale.py --tp 2 --dp 4 --pp 2 --layers 4 --load-tp 2 --load-pp 2   # a quick run
+    python bench/plan_scale.py --check             # also: the same plan as the coordinator planning alone
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -37,13 +40,14 @@ import time
 import torch
 
 from bcp_core import codec
-from bcp_core.comm import _decode, build_tree, subtree_messages
+from bcp_core.comm import _decode, _decode_all, _encode, build_tree, subtree_messages
 from bcp_core.engine import WrittenPiece
 from bcp_core.load_planner import box_read_items
 from bcp_core.loader import read_metadata
 from bcp_core.metadata import CHECKSUM_BLOCK_BYTES, METADATA_FILE, num_blocks
 from bcp_core.save_planner import (ObjectShardKey, PlanRequest, RankValueKey, SaveId, SaveStructure, TensorBoxKey,
-                                   TensorEntry, WriteReport, build_metadata, global_save_plan, plan_replies)
+                                   TensorEntry, WriteReport, build_metadata, global_save_plan, merge_plan_messages,
+                                   plan_message, plan_replies, read_plan_messages)
 from bcp_core.shards import Box, range_boxes
 from bcp_core.storage import storage_for
 from bcp_core.utils import gc_paused
@@ -158,12 +162,6 @@ def fake_reports(structures, gplan, rng, tp, dp):
     return reports
 
 
-@gc_paused
-def decode_requests(combined: bytes) -> list[PlanRequest]:
-    """What the coordinator's gather does with the tree's combined message."""
-    return [codec.from_wire(m, PlanRequest) for m in _decode(combined)]
-
-
 def peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -184,6 +182,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--load-tp", type=int, default=4, help="layout of the loading job (TP)")
     ap.add_argument("--load-pp", type=int, default=8, help="layout of the loading job (PP)")
+    ap.add_argument("--check", action="store_true", help="also plan from the whole structures on the coordinator "
+                    "alone (the ranks' entries grouped there) and check the plan is the same")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     world = a.tp * a.dp * a.pp
@@ -194,22 +194,20 @@ def main(argv=None) -> dict:
 
     # 1. Every rank's planning message, as the bytes it sends (built here one rank after another;
     #    in a job each rank builds its own, in parallel).
+    def structures():  # every rank's, one after another (not held while the coordinator plans)
+        for r in range(world):
+            t, d, p = rank_coords(r, a.tp, a.dp)
+            yield rank_structure(stages[p], a.tp, a.dp, t, d, a.zero)
+
     t0 = time.perf_counter()
-    messages = []
-    for r in range(world):
-        t, d, p = rank_coords(r, a.tp, a.dp)
-        st = rank_structure(stages[p], a.tp, a.dp, t, d, a.zero)
-        request = PlanRequest(SAVE, st.digest(), None, st)
-        messages.append(json.dumps(codec.to_wire(request), separators=(",", ":")).encode())
+    messages = [_encode(plan_message(PlanRequest(SAVE, st.digest(), None, st), r)) for r, st in enumerate(structures())]
     out["build_messages_s"] = time.perf_counter() - t0
     out["gathered_mib"] = sum(map(len, messages)) / 2**20
-    out["boxes"] = sum(len(TensorEntry.parse(t).boxes) for m in messages[:1]
-                       for t in codec.from_wire(json.loads(m)).structure.tensors)
+    st0 = next(structures())
+    out["boxes"] = sum(len(TensorEntry.parse(t).boxes) for t in st0.tensors)
 
     # The cached-plan path: a rank whose structure is unchanged hashes it, finds the plan, and
     # sends nothing (the cost of one rank: its structure's encoding and digest, then a lookup).
-    t, d, p = rank_coords(0, a.tp, a.dp)
-    st0 = rank_structure(stages[p], a.tp, a.dp, t, d, a.zero)
     cache = {st0.digest(): "plan"}
     t0 = time.perf_counter()
     reps = 20
@@ -217,24 +215,43 @@ def main(argv=None) -> dict:
         assert st0.digest() in cache
     out["cached_plan_ms"] = (time.perf_counter() - t0) / reps * 1e3
 
-    # 2. The coordinator: the tree's combined message (concatenated at the leaders), decoded once.
+    # 2. Up the tree (Comm.gather with merge): each leader decodes its children's messages, merges
+    #    them with its own (save_planner.merge_plan_messages: an entry's replicas grouped) and sends
+    #    the result up. The leaders of one tree level work at the same time, so what the leaders add
+    #    to planning is the sum over levels of the slowest leader's merge (its CPU time).
     tree = build_tree([r // a.gpus_per_node for r in range(world)], a.fan_in)
-    depth = {0: 0}
+    depth, height = {0: 0}, [0] * world
     for r in range(1, world):  # parents have lower ranks
         depth[r] = depth[tree.parent[r]] + 1
     out["tree_depth"] = tree.depth
     out["tree_max_children_per_level"] = max(len(lv) for levels in tree.children for lv in levels)
     out["flat_coordinator_messages"] = world - 1
     out["tree_coordinator_messages"] = sum(len(lv) for lv in tree.children[0])
-    combined = b"[" + b",".join(messages) + b"]"
-    del messages
+    slowest: dict[int, float] = {}  # a leader's height in the tree -> its slowest merge
+    sent = {}
+    for r in reversed(range(1, world)):  # children have higher ranks than their leader
+        kids = [c for level in tree.children[r] for c in level]
+        if not kids:
+            sent[r] = messages[r]
+            continue
+        height[r] = 1 + max(height[c] for c in kids)
+        own = _decode(messages[r])  # a leader holds its own message as an object
+        t0 = time.process_time()  # CPU time: in a job each leader is a process of its own
+        sent[r] = _encode(merge_plan_messages([own] + _decode_all([sent.pop(c) for c in kids])))
+        slowest[height[r]] = max(slowest.get(height[r], 0.0), time.process_time() - t0)
+    out["leaders_s"] = sum(slowest.values())
+    out["leader_levels_s"] = [round(slowest[h], 4) for h in sorted(slowest)]
+    own = _decode(messages[0])
+    received = [sent.pop(c) for level in tree.children[0] for c in level]
+    out["coordinator_receives_mib"] = sum(map(len, received)) / 2**20
+    del messages, sent
     gc.collect()
-    t_plan = time.perf_counter()
-    msgs = decode_requests(combined)
-    del combined
+
+    # The coordinator: decode and merge its children's messages, read the requests, plan, reply.
+    t_plan, c_plan = time.perf_counter(), time.process_time()
+    gathered = read_plan_messages(merge_plan_messages([own] + _decode_all(received)), world, SAVE)
     t1 = time.perf_counter()
-    structures = [m.structure for m in msgs]
-    gplan = global_save_plan(structures)
+    gplan = global_save_plan([q.structure for q in gathered.requests], None, gathered.entries)
     t2 = time.perf_counter()
     # the coordinator's part of the scatter: one message per child, holding its subtree's replies
     replies = plan_replies(gplan, SAVE, "0" * 8, "p" * 16)
@@ -242,7 +259,14 @@ def main(argv=None) -> dict:
     t3 = time.perf_counter()
     out["decode_s"], out["global_plan_s"], out["scatter_encode_s"] = t1 - t_plan, t2 - t1, t3 - t2
     out["planning_s"] = t3 - t_plan
+    out["planning_cpu_s"] = time.process_time() - c_plan
     out["peak_mib_after_plan"] = peak_mib()
+    if a.check:  # the plan of every rank's whole structure, grouped on the coordinator alone: the same
+        flat = global_save_plan(list(structures()))
+        out["same_plan_as_flat"] = all(getattr(flat, f.name) == getattr(gplan, f.name)
+                                       for f in dataclasses.fields(flat))
+        if not out["same_plan_as_flat"]:
+            raise SystemExit("the plan gathered over the tree differs from the flat one")
     # a rank's reply travels once per tree level above it
     sizes = [len(json.dumps(x, separators=(",", ":"))) for x in replies]
     out["reply_bytes_max"] = max(sizes)
@@ -254,12 +278,11 @@ def main(argv=None) -> dict:
     loads = gplan.bytes_per_rank
     out["write_bytes_max_gib"] = max(loads) / 2**30
     out["write_bytes_mean_gib"] = sum(loads) / len(loads) / 2**30
-    del replies, to_children
+    del replies, to_children, received, gathered
 
     # 3. Commit: every rank's report (pieces with checksums) -> global metadata, serialised.
-    reports = fake_reports(structures, gplan, rng, a.tp, a.dp)
-    rank_keys = [m.key for m in msgs]
-    del msgs, structures
+    reports = fake_reports(structures(), gplan, rng, a.tp, a.dp)
+    rank_keys = [st.digest() for st in structures()]
     gc.collect()
     t0 = time.perf_counter()
     md = build_metadata(gplan, rank_keys, reports, "megatron", {})
@@ -304,8 +327,11 @@ def _print(out: dict) -> None:
     print(f"  tree                    depth {out['tree_depth']}, <= {out['tree_max_children_per_level']} children "
           f"per level; coordinator reads {out['tree_coordinator_messages']} messages (flat: "
           f"{out['flat_coordinator_messages']})")
-    print(f"  coordinator planning    {out['planning_s']:.2f} s  (decode {out['decode_s']:.2f}, global plan "
-          f"{out['global_plan_s']:.2f}, per-rank replies {out['scatter_encode_s']:.2f})")
+    print(f"  coordinator receives    {out['coordinator_receives_mib']:.1f} MiB, merged by the tree's leaders "
+          f"(slowest leader per level {out['leader_levels_s']} s: {out['leaders_s']:.2f} s in all)")
+    print(f"  coordinator planning    {out['planning_s']:.2f} s, {out['planning_cpu_s']:.2f} s CPU  (decode and "
+          f"read {out['decode_s']:.2f}, global plan {out['global_plan_s']:.2f}, per-rank replies "
+          f"{out['scatter_encode_s']:.2f})" + ("; the same plan as flat" if out.get("same_plan_as_flat") else ""))
     print(f"  plan replies (scatter)  {out['reply_bytes_total'] / 2**20:.1f} MiB over all tree edges, largest "
           f"{out['reply_bytes_max'] / 1024:.1f} KiB, coordinator sends {out['coordinator_sends_mib']:.1f} MiB "
           f"(a broadcast of all assignments: {out['broadcast_bytes_total_flat'] / 2**30:.1f} GiB)")

@@ -1,8 +1,9 @@
 """Tree communication: 12 gloo ranks arranged as 4 simulated nodes of 3, fan-in 2.
 
 The tree must respect the fan-in bound (no rank ever waits on more than `fan_in` messages at
-once), give exactly the results of a flat exchange, carry a whole save (plan scatter + commit
-gather), and name a missing rank deep in the tree.
+once), give exactly the results of a flat exchange (a gather whose leaders merge their subtrees
+included), carry a whole save (plan scatter + commit gather), and name a missing rank deep in the
+tree.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import pytest
 import torch
 
 from bcp_core.comm import Comm, build_tree
+from bcp_core.save_planner import (PlanRequest, SaveId, SaveStructure, TensorEntry, group_entries,
+                                   merge_plan_messages, plan_message, read_plan_messages)
 from dist import run_ranks
 
 WORLD, NODE, FAN_IN = 12, 3, 2
@@ -59,6 +62,17 @@ def test_tree_shape():
     assert build_tree([0], 4).span == (1,)
 
 
+SAVE = SaveId(1, None, "/ckpt")
+
+
+def _request(rank: int) -> PlanRequest:
+    """Rank `rank`'s plan request: a weight sharded over 3 "TP" ranks, replicated over the others,
+    and an optimizer slice of its own."""
+    weight = TensorEntry("w", "float32", [6, 4], [[[rank % 3 * 2, 0], [2, 4]]]).text()
+    opt = TensorEntry("opt.w", "float32", [WORLD], [[[rank], [1]]]).text()
+    return PlanRequest(SAVE, f"k{rank}", None, SaveStructure((weight, opt), ("cfg",), (), ()))
+
+
 def _tree_vs_flat(rank, world_size, root):
     import bcp_core as bcp
     out = {}
@@ -69,6 +83,8 @@ def _tree_vs_flat(rank, world_size, root):
     for c in (tree, flat):
         got = {
             "gather": c.gather(msg, "plan"),
+            # each leader merges its subtree's plan requests (replicas of an entry grouped)
+            "merged": c.gather(plan_message(_request(rank), rank), "merged", merge=merge_plan_messages),
             "broadcast": c.broadcast({"plan": list(range(5))} if rank == 0 else None, "bcast"),
             "scatter": c.scatter([{"for": r, "w": [r] * r} for r in range(world_size)] if rank == 0 else None,
                                  "scatter"),
@@ -82,6 +98,11 @@ def _tree_vs_flat(rank, world_size, root):
     if rank == 0:
         assert out[True]["gather"] == [{"rank": r, "boxes": [[r, r + 1]] * (r % 3), "name": f"r{r}"}
                                        for r in range(world_size)]
+        requests = [_request(r) for r in range(world_size)]
+        gathered = read_plan_messages(out[True]["merged"], world_size, SAVE)
+        assert gathered.entries == group_entries([q.structure for q in requests])
+        assert len(gathered.entries) == 3 + world_size  # 3 distinct weight shards, one optimizer slice per rank
+        assert [(q.key, q.structure.tensors) for q in gathered.requests] == [(q.key, ()) for q in requests]
     # the fan-in bound is respected on every rank; the flat exchange has the coordinator wait on all
     out["tree_wait"] = tree.max_wait_keys
     out["flat_wait"] = flat.max_wait_keys

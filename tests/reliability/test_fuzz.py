@@ -5,8 +5,13 @@
    dropped, duplicated or moved out of bounds) is refused by both with the right error class and
    reason. Identical boxes from two ranks are replicas to the planner, an overlap in metadata.
    Both the pure-Python and the vectorised check run (the box count that switches is patched).
-2. Random bytes, and valid metadata files, values and wire records mutated at random, give either
-   a valid result or a BCPError: never another exception, each example in bounded memory.
+2. Random bytes, and valid metadata files, values, wire records and plan messages mutated at
+   random, give either a valid result or a BCPError: never another exception, each example in
+   bounded memory. Hostile files (JSON nested 100,000 deep, sparse files of 64 GiB) end in a
+   BCPError naming them, or, for the tracker, in a load that reads only its first bytes.
+3. Save plans of random layouts (replicas, partial staging, object shards), made on the
+   coordinator alone or gathered over a random tree whose leaders merge the requests, follow the
+   planner's rules as a plain reference implementation applies them.
 
 Examples are few and small so the file runs in seconds; no example's time is asserted.
 """
@@ -33,13 +38,16 @@ import bcp_core as bcp
 from bcp_core import codec, shards
 from bcp_core.engine import WrittenPiece
 from bcp_core.metadata import METADATA_FILE, ObjectValue, check_file_sizes, parse_json
+from bcp_core.comm import build_tree
 from bcp_core.save_planner import (Assignment, ObjectShardKey, PlanReply, PlanRequest, RankValueKey, SaveId,
-                                   SaveStructure, TensorBoxKey, TensorEntry, WriteReport, global_save_plan)
+                                   SaveStructure, TensorBoxKey, TensorEntry, WriteReport, global_save_plan,
+                                   group_entries, merge_plan_messages, plan_message, read_plan_messages)
 from bcp_core.shards import Box, ObjectShard, ShardedView
 
 pytestmark = pytest.mark.timeout(300)
 
 FAST = settings(max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+FEWER = settings(FAST, max_examples=50)  # examples that each run a whole planning
 EXAMPLE_BYTES = 64 << 20   # what one example may allocate (traced by tracemalloc), generously
 RUN_RSS_BYTES = 1 << 30  # how much the process's peak memory may grow over a test (torch and
 #                          tracemalloc's own bookkeeping included; a claim acted on would be TiBs)
@@ -402,6 +410,23 @@ def test_mutated_wire_records_give_records_or_bcp_errors(case, data):
         _record_or_bcp_error(either_valid_or_bcp_error(parse_json, raw, "message"), expected)
 
 
+@FEWER
+@given(st.data())
+def test_mutated_plan_messages_merge_and_read_or_give_bcp_errors(data):
+    """A subtree's plan message (save_planner.plan_message) mutated: leaders still merge it (never
+    raising), and the coordinator reads the result or raises a BCPError."""
+    request = RECORDS[0][0]
+    parts = [json.loads(json.dumps(plan_message(request, r))) for r in range(2)]
+    assert type(read_plan_messages(merge_plan_messages(parts), 2, SAVE).requests[1]) is PlanRequest
+    with bounded_memory():
+        i = data.draw(st.integers(0, 1), label="part mutated")
+        parts[i] = either_valid_or_bcp_error(parse_json, data.draw(mutated(parts[i])), "message")
+        merged = json.loads(json.dumps(merge_plan_messages(parts)))
+        either_valid_or_bcp_error(read_plan_messages, merged, 2, SAVE)
+        merged = either_valid_or_bcp_error(parse_json, data.draw(mutated(merged)), "message")
+        either_valid_or_bcp_error(read_plan_messages, merged, 2, SAVE)
+
+
 @FAST
 @given(st.data())
 def test_every_record_class_takes_random_fields_or_gives_bcp_errors(data):
@@ -557,3 +582,109 @@ def test_a_deeply_nested_plan_entry_or_message_is_a_bcp_error():
         global_save_plan([SaveStructure((deep,), (), (), ())])
     with pytest.raises(bcp.MetadataError, match="bcp message: JSON nested too deeply"):
         comm._decode(_deep_json())
+
+
+# ----------------------------------------------------------------------------- plans against the rules
+
+def reference_plan(structures, writable=None):
+    """The save plan by its rules, computed the plain way: every distinct box once, in the order the
+    ranks first hold them; a box one (writable) holder has is that holder's; the others, largest
+    first (ties by fqn, offsets, lengths), go to the holder with the fewest bytes so far (ties: the
+    lowest rank); object shards to the holder with the fewest shards (ties: the lowest rank)."""
+    world = len(structures)
+    holders: dict[tuple, list[tuple[int, int, int]]] = {}
+    info: dict[str, tuple] = {}
+    for r, structure in enumerate(structures):
+        for ti, text in enumerate(structure.tensors):
+            fqn, dt, shape, boxes = json.loads(text)
+            info.setdefault(fqn, (dt, shape))
+            for bi, (offs, lens) in enumerate(boxes):
+                holders.setdefault((fqn, tuple(offs), tuple(lens)), []).append((r, ti, bi))
+    load, writes, replicated = [0] * world, [[] for _ in range(world)], []
+    for key, hs in holders.items():
+        hs = [(r, ti, bi) for r, ti, bi in hs if writable is None or writable[r] is None or (ti, bi) in writable[r]]
+        if not hs:
+            raise bcp.PlanError("none staged it")
+        nbytes = math.prod(key[2]) * torch.empty((), dtype=getattr(torch, info[key[0]][0])).element_size()
+        if len(hs) == 1:
+            load[hs[0][0]] += nbytes
+            writes[hs[0][0]].append(hs[0][1:])
+        else:
+            replicated.append((nbytes, key, hs))
+    for nbytes, _, hs in sorted(replicated, key=lambda x: (-x[0], x[1])):
+        r, ti, bi = min(hs, key=lambda h: (load[h[0]], h[0]))
+        load[r] += nbytes
+        writes[r].append((ti, bi))
+    shard_holders: dict[tuple, list] = {}
+    for r, structure in enumerate(structures):
+        for i, (fqn, _, index) in enumerate(structure.sharded_objects):
+            shard_holders.setdefault((fqn, tuple(index)), []).append((r, i))
+    shards = [[] for _ in range(world)]
+    for hs in shard_holders.values():
+        r, i = min(hs, key=lambda h: (len(shards[h[0]]), h[0]))
+        shards[r].append(i)
+    return [Assignment(tuple(w), tuple(s)) for w, s in zip(writes, shards)], load
+
+
+def tree_gathered(structures, nodes, fan_in):
+    """What the coordinator reads of the ranks' plan requests gathered over the tree of `nodes`
+    (each leader merging, every message through JSON as on the wire)."""
+    tree = build_tree(nodes, fan_in)
+    sent: dict[int, bytes] = {}
+    for r in reversed(range(len(structures))):  # children have higher ranks than their leader
+        own = plan_message(PlanRequest(SAVE, f"k{r}", None, structures[r]), r)
+        parts = [own] + [json.loads(sent.pop(c)) for level in tree.children[r] for c in level]
+        sent[r] = json.dumps(merge_plan_messages(parts)).encode()
+    return read_plan_messages(json.loads(sent[0]), len(structures), SAVE)
+
+
+@st.composite
+def plan_cases(draw):
+    """Ranks holding boxes of a few tensors (exact tilings, each box on one or more ranks, an
+    optimizer-like twin of each tensor sharded alike), object shards, what each rank staged, and a
+    tree (node sizes, fan-in)."""
+    world = draw(st.integers(1, 6), label="world")
+    held: list[dict[str, list]] = [{} for _ in range(world)]
+    fqns = []
+    for k in range(draw(st.integers(1, 3), label="tensors")):
+        shape, boxes = draw(tilings())
+        dt = draw(st.sampled_from(["float32", "bfloat16"]))
+        for box in boxes:
+            for r in draw(st.sets(st.integers(0, world - 1), min_size=1, max_size=world)):
+                for fqn in (f"t{k}", f"opt.t{k}.exp_avg"):
+                    held[r].setdefault(fqn, []).append([list(box[0]), list(box[1])])
+        fqns += [(f"t{k}", dt, shape), (f"opt.t{k}.exp_avg", "float32", shape)]
+    structures = []
+    for r in range(world):
+        order = draw(st.permutations([f for f in fqns if f[0] in held[r]]))
+        shards = [("loader", [world], [d]) for d in sorted(draw(st.sets(st.integers(0, world - 1), max_size=2)))]
+        structures.append(SaveStructure(tuple(TensorEntry(f, dt, list(shape), held[r][f]).text()
+                                              for f, dt, shape in order), (), (), tuple(shards)))
+    writable = None
+    if draw(st.booleans(), label="partly staged"):
+        writable = [None if draw(st.booleans()) else
+                    {(ti, bi) for ti, text in enumerate(s.tensors) for bi in range(len(json.loads(text)[3]))
+                     if draw(st.booleans())} for s in structures]
+    nodes = sorted(draw(st.lists(st.integers(0, 3), min_size=world, max_size=world)))
+    return structures, writable, nodes, draw(st.integers(1, 3), label="fan-in")
+
+
+@FEWER
+@given(plan_cases())
+def test_plans_follow_the_rules_gathered_flat_or_over_a_tree(case):
+    structures, writable, nodes, fan_in = case
+    try:
+        expected = reference_plan(structures, writable)
+    except bcp.PlanError:
+        expected = None
+    gathered = tree_gathered(structures, nodes, fan_in)
+    assert gathered.entries == group_entries(structures)
+    assert [r.structure.tensors for r in gathered.requests] == [()] * len(structures)
+    for plan_it in (lambda: global_save_plan(structures, writable),
+                    lambda: global_save_plan([r.structure for r in gathered.requests], writable, gathered.entries)):
+        if expected is None:
+            with pytest.raises(bcp.PlanError, match="none staged it"):
+                plan_it()
+        else:
+            gplan = plan_it()
+            assert (gplan.assignments, gplan.bytes_per_rank) == expected
