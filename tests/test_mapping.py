@@ -8,11 +8,14 @@ real Megatron-core GPTModel.
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 
 import bcp_core as bcp
 from bcp_core.mapping import Copy, Mapping, Region, qkv_split, rows, stack, torch_scheme, unstack
+from bcp_core.shards import ObjectShard
 
 transformers = pytest.importorskip("transformers")
 
@@ -80,7 +83,9 @@ def trained(model, steps=2):
 
 
 def megatron_checkpoint(path, model, opt=None, padded=PADDED, step_in_common=True):
-    """A bcp checkpoint keyed as Megatron saves a GPTModel and its fully_reshardable DistOpt state."""
+    """A bcp checkpoint keyed as Megatron saves a GPTModel and its fully_reshardable DistOpt state;
+    Megatron's common state (the step) in common.pt (`step_in_common=True`, megatron-core up to 0.18)
+    or in the object `common_state` (`"object"`, 0.19+), or nowhere (False)."""
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     state = megatron_layout(sd, model.config, padded)
     if opt is not None:
@@ -89,10 +94,15 @@ def megatron_checkpoint(path, model, opt=None, padded=PADDED, step_in_common=Tru
             moments = {names[id(p)]: s[name] for p, s in opt.state.items()}
             state |= megatron_layout(moments, model.config, padded, f"optimizer.state.{name}.")
         state |= megatron_layout(sd, model.config, padded, "optimizer.state.param.")
-    bcp.save(str(path), state).wait()
+    common = io.BytesIO()
     if opt is not None and step_in_common:  # Megatron's common state: the step in the param groups
         step = int(next(iter(opt.state.values()))["step"])
-        torch.save({"optimizer": {"optimizer": {"param_groups": [{"lr": 1e-2, "step": step}]}}}, path / "common.pt")
+        torch.save({"optimizer": {"optimizer": {"param_groups": [{"lr": 1e-2, "step": step}]}}}, common)
+    if step_in_common == "object" and opt is not None:
+        state["common_state/shard_0_1"] = ObjectShard(common.getvalue(), (0,), (1,))
+    bcp.save(str(path), state).wait()
+    if step_in_common is True and opt is not None:
+        (path / "common.pt").write_bytes(common.getvalue())
 
 
 def logits(model, seed=7):
@@ -320,6 +330,22 @@ def test_step_counter_must_be_known(tmp_path):
         bcp.load(str(tmp_path), state, mapping=bcp.mapping.megatron_to_hf(dst.config))
     bcp.load(str(tmp_path), state, mapping=bcp.mapping.megatron_to_hf(dst.config, step=2))
     assert all(float(s["step"]) == 2.0 for s in state["optimizer"].state.values())
+
+
+def test_step_counter_from_megatron_019s_common_state_object_and_a_huge_common_pt_refused(tmp_path):
+    """megatron-core 0.19 keeps its common state in the checkpoint (bcp's object `common_state`, the
+    bytes of a torch.save file), not in common.pt; a common.pt too large to be one is refused unread."""
+    src = llama()
+    opt = trained(src)
+    megatron_checkpoint(tmp_path, src, opt, step_in_common="object")
+    dst = llama(seed=1)
+    dst_opt = torch.optim.AdamW(dst.parameters(), lr=1e-2)
+    bcp.load(str(tmp_path), {"model": dst, "optimizer": dst_opt}, mapping=bcp.mapping.megatron_to_hf(dst.config))
+    assert_same_training_state(src, opt, dst, dst_opt)
+    with open(tmp_path / "common.pt", "wb") as f:  # sparse: 64 GiB that are never read
+        f.truncate(64 << 30)
+    with pytest.raises(bcp.MetadataError, match="common.pt"):
+        bcp.load(str(tmp_path), {"model": dst, "optimizer": dst_opt}, mapping=bcp.mapping.megatron_to_hf(dst.config))
 
 
 def test_corrupt_source_fails_the_mapped_load_without_changing_the_target(tmp_path):

@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from .. import codec
-from ..errors import MappingError
+from ..engine import ShardReader
+from ..errors import BCPError, MappingError
 from ..load_planner import ReadItem, box_read_items
-from ..metadata import CheckpointMetadata, ObjectValue, TensorMeta
+from ..metadata import CheckpointMetadata, ObjectValue, TensorMeta, read_capped
 from ..shards import Box, intersect, local_tensor
 from .rules import Copy, Mapping, Shape, _inside, _shape_str
 
@@ -176,11 +177,17 @@ class MappedCheckpoint:
         m = self.mapping
         if m.step is not None:
             return m.step
-        name = m.source_keys.common_file
+        keys = m.source_keys
+        name = keys.common_file if keys.common_file and self.storage is not None \
+            and self.storage.exists(keys.common_file) else None
+        if name is None and keys.common_object in self.source.sharded_objects and self.storage is not None:
+            name = keys.common_object
         found: set = set()
-        if name is not None and self.storage is not None and self.storage.exists(name):
+        if name is not None:
             try:
-                common = torch.load(io.BytesIO(self.storage.read_bytes(name)), map_location="cpu", weights_only=True)
+                common = torch.load(io.BytesIO(self._common_bytes(name)), map_location="cpu", weights_only=True)
+            except BCPError:
+                raise
             except Exception as e:  # noqa: BLE001 - named in the error below
                 raise MappingError(f"mapping {m.name!r}: cannot read the step counter from {name} "
                                    f"({type(e).__name__}: {e}); pass step= to the mapping") from None
@@ -190,6 +197,17 @@ class MappedCheckpoint:
             raise MappingError(f"mapping {m.name!r}: {where} holds {'no' if not found else sorted(found)} optimizer "
                                "step counter(s) in param groups; pass step= to the mapping")
         return int(found.pop())
+
+    def _common_bytes(self, name: str) -> bytes:
+        """The torch.save bytes of the source's common state: the file `name` (its size checked before
+        it is read), or the sharded object `name`."""
+        if name == self.mapping.source_keys.common_file:
+            return read_capped(self.storage, name)
+        value = ShardReader(self.storage, self.source, name, allow_pickle=False, verify=True)[(0,)]
+        if not isinstance(value, bytes):
+            raise MappingError(f"mapping {self.mapping.name!r}: the object {name!r} holds a {type(value).__name__}, "
+                               "not the torch.save bytes of a common state")
+        return value
 
     def source_step(self) -> int | None:
         """The source optimizer's step counter, or None when the checkpoint holds no optimizer state:

@@ -61,7 +61,8 @@ class KeyScheme:
     holding an fp32 master copy of the weight, if the optimizer keeps one (filled from the weight
     when the source has none). `step`: the per-parameter step counter's key, or None when the
     framework keeps one step for all, outside the parameters (`common_file`, a torch.save file of
-    the checkpoint directory, read with `weights_only=True`). `groups`: the optimizer's param groups,
+    the checkpoint directory, or `common_object`, a sharded object holding such a file's bytes;
+    read with `weights_only=True`). `groups`: the optimizer's param groups,
     which a mapping between frameworks does not carry (the target keeps its own hyperparameters).
     `state_prefix`: a regular expression for a prefix the framework may put before a state key
     (Megatron's chained optimizers, `chained_<n>.`); a source state key is found with or without it.
@@ -73,6 +74,7 @@ class KeyScheme:
     master: str | None = None
     step: str | None = None
     common_file: str | None = None
+    common_object: str | None = None
     groups: str | None = None
     state_prefix: str | None = None
 
@@ -93,9 +95,10 @@ def megatron_scheme() -> KeyScheme:
     """Megatron-core's sharded state dict keys; DistributedOptimizer state in its `fully_reshardable`
     layout (`optimizer.state.<state>.<param key>`, fp32 master copy `param`; saved by a chain of
     optimizers without `chained_optim_avoid_prefix`, each key has its optimizer's `chained_<n>.`
-    prefix), the step in common.pt."""
+    prefix), the step in Megatron's common state: common.pt up to megatron-core 0.18, the object
+    `common_state` from 0.19 on."""
     return KeyScheme(weight="{name}", state="optimizer.state.{state}.{name}", master="param",
-                     common_file="common.pt", state_prefix=r"chained_\d+\.")
+                     common_file="common.pt", common_object="common_state/shard_0_1", state_prefix=r"chained_\d+\.")
 
 
 @dataclass(frozen=True)

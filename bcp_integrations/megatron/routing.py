@@ -4,8 +4,9 @@ Megatron-core 0.16 chose a backend through a registry: `("bcp", 1)` named one, a
 its strategy from the checkpoint's `metadata.json`. 0.17 removed the registry: `save` replaces any
 strategy that is not torch_dist's by a new torch_dist one (a `("bcp", 1)` save would silently write
 torch_dist), and `load`, `load_tensors_metadata` and `load_sharded_metadata` read with torch_dist
-whatever `metadata.json` says. `install()` wraps those four functions and `load_common_state_dict` (in `dist_checkpointing` and
-in its `serialization` module, where Megatron's own code calls them) so that on every release:
+whatever `metadata.json` says. `install()` wraps those four functions and `load_common_state_dict`
+(in `dist_checkpointing` and in its `serialization` module, where Megatron's own code calls them)
+so that on every release:
 
 - `save` writes bcp for `("bcp", 1)`, a `BcpSaveShardedStrategy`, and — in a Megatron-LM run with
   `--ckpt-format bcp` — for the torch_dist strategy Megatron-LM builds. A bcp strategy inside

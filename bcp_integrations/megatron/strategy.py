@@ -76,15 +76,15 @@ def _translated(action: str, checkpoint_dir, fn: Callable, *args, **kwargs):
 
 def _common_state_as_bytes(sharded_state_dict: dict) -> None:
     """0.19's `common_state` ShardedObject holds Megatron's non-sharded values (its `args`
-    Namespace, enums, configs): stored as torch.save bytes, which `read_common_state` reads back
-    with torch.load(weights_only=True) under Megatron's safe globals, as torch_dist does. Only the
-    main replica is written."""
+    Namespace, enums, configs): stored as the bytes of a torch.save file (what common.pt held),
+    which `read_common_state` reads back with torch.load(weights_only=True) under Megatron's safe
+    globals, as torch_dist does. Only the main replica is written."""
     common = sharded_state_dict.get(COMMON_STATE_KEY)
     if isinstance(common, ShardedObject) and is_main_replica(common.replica_id) \
-            and not isinstance(common.data, io.BytesIO):
+            and not isinstance(common.data, bytes):
         buffer = io.BytesIO()
         torch.save(common.data, buffer)
-        sharded_state_dict[COMMON_STATE_KEY] = dataclasses.replace(common, data=buffer)
+        sharded_state_dict[COMMON_STATE_KEY] = dataclasses.replace(common, data=buffer.getvalue())
 
 
 def read_common_state(checkpoint_dir) -> dict:
@@ -93,11 +93,10 @@ def read_common_state(checkpoint_dir) -> dict:
     target = ShardedObject(COMMON_STATE_KEY, None, (1,), (0,), replica_id=0)
     loaded = _translated("load", checkpoint_dir, load, {COMMON_STATE_KEY: target}, checkpoint_dir, strict=True,
                          share_reads=False)[COMMON_STATE_KEY]
-    if not isinstance(loaded, io.BytesIO):
+    if not isinstance(loaded, bytes):
         raise CheckpointingException(f"{checkpoint_dir}: its {COMMON_STATE_KEY!r} object is not Megatron's "
                                      f"common state (a {type(loaded).__name__})")
-    loaded.seek(0)
-    return torch.load(loaded, weights_only=True)
+    return torch.load(io.BytesIO(loaded), weights_only=True)
 
 
 def _async_request(finalize_fns: list, async_strategy: str | None):
