@@ -203,3 +203,16 @@ def test_packed_token_loader_state_leaves_the_loop_state_and_is_resharded_2_to_1
                     + [t for i in range(12) for t in range(5000 + 100 * i, 5000 + 100 * i + 2 + i % 3)])
     assert before and after
     assert before + after == epoch  # nothing skipped (the batch fetched ahead included), nothing repeated
+
+
+def test_a_deeply_nested_lightning_value_is_a_metadata_error_naming_it(tmp_path):
+    """The trainer's own part of a checkpoint is JSON text inside it: nested 100,000 deep it is refused
+    naming the checkpoint, not a RecursionError."""
+    from types import SimpleNamespace
+
+    from bcp_integrations.lightning import BCPCheckpointIO
+    model = torch.nn.Linear(2, 2)
+    bcp.save(str(tmp_path), {"model": model, "lightning": "[" * 100_000 + "]" * 100_000}).wait()
+    strategy = SimpleNamespace(model=model, optimizers=[], lightning_module=None)
+    with pytest.raises(bcp.MetadataError, match=f"Lightning checkpoint value of {tmp_path}"):
+        BCPCheckpointIO().load_all_ranks(strategy, str(tmp_path))

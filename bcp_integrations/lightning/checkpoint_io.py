@@ -29,7 +29,7 @@ import bcp_core as bcp
 from bcp_core import codec, metrics
 from bcp_core.dataloader import loadable_loader_state, saved_loader_state
 from bcp_core.layout import BCP_STEPS
-from bcp_core.metadata import METADATA_FILE, TRACKER_FILE
+from bcp_core.metadata import METADATA_FILE, TRACKER_FILE, parse_json
 from bcp_core.rng import rng_state, set_rng_state
 
 log = logging.getLogger("bcp")
@@ -204,7 +204,8 @@ class BCPCheckpointIO(CheckpointIO):
         for name in {k.split(".", 1)[0] for k in keys if _LOADER_KEY.match(k.split(".", 1)[0])}:
             state[name] = {}  # the live loaders do not exist yet: Lightning restores them later
         bcp.load(path, state, allow_pickle=self.allow_pickle, num_threads=self.num_threads)
-        checkpoint = codec.decode(json.loads(state["lightning"]), "Lightning checkpoint", self.allow_pickle)
+        checkpoint = codec.decode(parse_json(state["lightning"], f"the Lightning checkpoint value of {path}"),
+                                  "Lightning checkpoint", self.allow_pickle)
         _restore_loader_states(strategy, checkpoint, state)
         # The model and optimizers are already in place; Lightning's own restore of them is disabled
         # by the mixin, but user hooks (on_load_checkpoint) may look for the keys.
