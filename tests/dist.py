@@ -74,7 +74,11 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 180.0) -> list:
             left = deadline - time.monotonic()
             if left <= 0:
                 hung = sorted(set(range(world_size)) - set(results))
-                raise TimeoutError(f"ranks {hung} did not finish within {timeout}s\n" + _stacks(procs, port, hung))
+                # a rank that failed first often leaves the others waiting in a collective: its error
+                # is the telling part
+                errors = [f"--- rank {r} failed ---\n{v}" for r, (s, v) in sorted(results.items()) if s == "error"]
+                raise TimeoutError(f"ranks {hung} did not finish within {timeout}s\n" + "\n".join(errors)
+                                   + _stacks(procs, port, hung))
             try:
                 rank, status, value = queue.get(timeout=min(left, 1.0))
                 results[rank] = (status, value)
