@@ -104,6 +104,29 @@ def install() -> None:
     # validate_args asks the GPU's compute capability whenever TP > 1
     _patch(arguments, "get_device_arch_version", lambda: 9)
     _distributed_optimizer_with_torch_adam()
+    # torch_dist's async save: the persistent worker's copy of what it writes
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    _preloads.append(FileSystemWriterAsync.preload_tensors)
+    _patch(FileSystemWriterAsync, "preload_tensors", staticmethod(preload_tensors_copying))
+
+
+_preloads = []  # Megatron's FileSystemWriterAsync.preload_tensors, where install() replaced it
+
+
+def preload_tensors_copying(write_buckets, non_blocking=True):
+    """Megatron's preload of what a torch_dist async save writes, with the copy it makes on a GPU.
+
+    Before the trainer goes on, the writer copies the tensors it will write to the host
+    (`tensor.to("cpu")`; the trainer waits for that). For a CPU tensor that returns the tensor
+    itself: the persistent worker (another process, which got the trainer's tensors in shared
+    memory) would then write them while training goes on changing them, and the checkpoint would
+    hold parts of later iterations. Here each is copied. The worker finds this function by its name
+    (it is pickled with the save request), so it runs Megatron's own preload, unreplaced there.
+    """
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    preload = _preloads[0] if _preloads else FileSystemWriterAsync.preload_tensors
+    return [(file_name, storage_key, (bytes_data, [(item, tensor.clone()) for item, tensor in tensor_data]))
+            for file_name, storage_key, (bytes_data, tensor_data) in preload(write_buckets, non_blocking)]
 
 
 def _one_device() -> None:
