@@ -148,20 +148,12 @@ def install_in_spawned_process() -> None:
 
 
 def _distributed_optimizer_with_torch_adam() -> None:
-    """Megatron's DistributedOptimizer around torch's Adam (no Apex or Transformer Engine on CPU).
-
-    Without Apex/TE it keeps Adam's step in each parameter's state (TE's FusedAdam keeps it in the
-    param groups) and asserts that every state holds one; the paths of a checkpoint load break that:
-    - `state_dict()` before any step (Megatron-LM builds the load's sharded state dict before the
-      first step): no state holds a step yet; Adam's is 0 then.
-    - `load_state_dict()` gives every parameter the same step tensor, which torch's Adam then
-      increments once per parameter per step: each gets its own copy.
-    - in fp32 the main parameters the load copies into are views of the model's parameters, leaves
-      that require grad: the load runs under no_grad.
-    - the dp_reshardable load copies each parameter's pre-load state back over the loaded one,
-      the step included (a LocalNonpersistentObject: the value before the load, not the
-      checkpoint's): the step `load_state_dict()` set from the checkpoint is kept.
-    """
+    """Megatron's DistributedOptimizer around torch's Adam (no Apex or Transformer Engine on CPU):
+    without them it keeps Adam's step in each parameter's state (TE's FusedAdam keeps it in the
+    param groups) and its `state_dict()` asserts that every state holds one. Megatron-LM builds a
+    load's sharded state dict before the first step, when no state does: Adam's step is 0 then.
+    (The load itself, its step and its fp32 copies into views of the parameters, is mended by
+    recipes/_megatron_cpu.py.)"""
     import torch
     from megatron.core.optimizer import distrib_optimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -181,20 +173,4 @@ def _distributed_optimizer_with_torch_adam() -> None:
         finally:
             self.optimizer.state.clear()
 
-    original_load_state_dict = DistributedOptimizer.load_state_dict
-
-    def load_state_dict(self, state_dict):
-        with torch.no_grad():
-            original_load_state_dict(self, state_dict)
-        for state in self.optimizer.state.values():
-            if "step" in state:
-                state["step"] = state["step"].clone()
-
-    set_states = DistributedOptimizer._set_main_param_and_optimizer_states  # recipes/_megatron_cpu.py's
-
-    def set_main_param_and_optimizer_states(self, model_param, tensors):
-        return set_states(self, model_param, {k: v for k, v in tensors.items() if k != "step"})
-
     _patch(DistributedOptimizer, "state_dict", state_dict)
-    _patch(DistributedOptimizer, "load_state_dict", load_state_dict)
-    _patch(DistributedOptimizer, "_set_main_param_and_optimizer_states", set_main_param_and_optimizer_states)
