@@ -188,6 +188,7 @@ def uninterrupted(tmp_path_factory):
             workdir = str(tmp_path_factory.mktemp(f"uninterrupted-{release}-{fmt}"))
             run = pretrain(release, workdir, *flags, fmt=fmt)
             assert sorted(run.losses) == list(range(1, ITERATIONS + 1)), run.output[-4000:]
+            print(f"[{release} {fmt} {' '.join(flags)}] uninterrupted losses {run.losses}")
             runs[key] = run, workdir
         return runs[key]
     return get
