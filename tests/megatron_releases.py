@@ -19,6 +19,9 @@ import pytest
 
 INSTALLED = "0.16.1"
 RELEASES = ("0.16.1", "0.17.1", "0.19.0")
+# the default tier runs the installed wheel and the newest tree; the release between them, whose
+# interfaces are 0.16's on one side of each change and 0.19's on the other, runs in the slow tier
+SLOW = ("0.17.1",)
 ENV_VAR = "BCP_MEGATRON_LM"
 PY311 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_py311")
 
@@ -52,10 +55,10 @@ def skip_reason(release: str, need_tree: bool = False) -> str | None:
 
 
 def params(need_tree: bool = False, releases=RELEASES) -> list:
-    """pytest params, one per release, skipped where the release is absent."""
-    return [pytest.param(r, id=f"mcore{r}", marks=pytest.mark.skipif(skip_reason(r, need_tree) is not None,
-                                                                     reason=skip_reason(r, need_tree) or ""))
-            for r in releases]
+    """pytest params, one per release, skipped where the release is absent; SLOW's marked slow."""
+    return [pytest.param(r, id=f"mcore{r}", marks=[
+        pytest.mark.skipif(skip_reason(r, need_tree) is not None, reason=skip_reason(r, need_tree) or ""),
+        *([pytest.mark.slow] if r in SLOW else [])]) for r in releases]
 
 
 def pythonpath(release: str, need_tree: bool = False) -> list[str]:

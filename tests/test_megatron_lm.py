@@ -4,7 +4,7 @@ release of $BCP_MEGATRON_LM (0.16.1, 0.17.1, 0.19.0 source trees; tests/megatron
 
 Every launch is tests/jobs/megatron_lm_pretrain.py under torchrun: 2 ranks, gloo, fp32, a 2-layer GPT
 (hidden 64, 4 heads, sequence 32) on `--mock-data`, 6 iterations of global batch 4, checkpoints every
-3 iterations; the CPU stand-ins are tests/megatron_lm_cpu.py's. Losses are the ones Megatron
+3 iterations; the CPU stand-ins are recipes/_megatron_lm_cpu.py's. Losses are the ones Megatron
 computed, recorded exactly by the launcher.
 
 - default tier, one case per release (`--ckpt-format bcp`, two launches): with the distributed
@@ -12,6 +12,7 @@ computed, recorded exactly by the launcher.
   iteration-3 checkpoint of an uninterrupted run logs the same losses and writes the same
   iteration-6 checkpoint tensors, bit for bit.
 - slow tier: the same with torch_dist, and with Megatron's plain optimizer saving synchronously;
+  a bcp checkpoint resumed under `--ckpt-format torch_dist` and a torch_dist one under bcp;
   SIGTERM mid-run with `--exit-signal-handler` (checkpoint, exit, resume: bit for bit); TP=2 -> TP=1
   and PP=2 -> PP=1 with the distributed optimizer's fully reshardable layout (losses within 1e-4;
   PP=2 -> PP=1 fails with torch_dist, Megatron's own save of that layout being wrong: xfail).
@@ -83,14 +84,15 @@ class Run:
 
 
 def pretrain(release: str, workdir: str, *flags: str, fmt: str = "torch_dist", sigterm_after: int | None = None,
-             expect_rc: int | None = 0) -> Run:
+             expect_rc: int | None = 0, enable_bcp: bool | None = None) -> Run:
     """One launch of Megatron-LM's pretrain_gpt.py on 2 ranks, saving to and loading from
     workdir/ckpt. sigterm_after=i: SIGTERM goes to torchrun once iteration i is logged (each logged
-    iteration then waits a second, so the signal arrives mid-run)."""
+    iteration then waits a second, so the signal arrives mid-run). enable_bcp: whether the script
+    calls enable_megatron_lm() (default: for --ckpt-format bcp only)."""
     ckpt = os.path.join(workdir, "ckpt")
     records = os.path.join(workdir, f"records_{time.monotonic_ns()}")
     launcher = ["--release", release, "--record", records]
-    if fmt == "bcp":
+    if fmt == "bcp" if enable_bcp is None else enable_bcp:
         launcher.append("--bcp")
     if sigterm_after is not None:
         launcher += ["--iteration-delay", "1"]
@@ -149,9 +151,11 @@ def checkpoint_tensors(path: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def assert_same_checkpoint(a: str, b: str, fmt: str) -> None:
-    """Checkpoint directories a and b are both in format `fmt` and hold the same tensors, bit for bit."""
-    assert (backend(a), backend(b)) == (fmt, fmt), f"{a}: {backend(a)}, {b}: {backend(b)}, not {fmt}"
+def assert_same_checkpoint(a: str, b: str, fmt: str, fmt_b: str | None = None) -> None:
+    """Checkpoint directories a (in format `fmt`) and b (in `fmt_b`, default `fmt`) hold the same
+    tensors, bit for bit."""
+    fmt_b = fmt if fmt_b is None else fmt_b
+    assert (backend(a), backend(b)) == (fmt, fmt_b), f"{a}: {backend(a)}, {b}: {backend(b)}, not {fmt}, {fmt_b}"
     ta, tb = checkpoint_tensors(a), checkpoint_tensors(b)
     assert ta.keys() == tb.keys(), f"tensors only in {a}: {sorted(ta.keys() - tb.keys())}; " \
                                    f"only in {b}: {sorted(tb.keys() - ta.keys())}"
@@ -255,6 +259,25 @@ def test_sigterm_checkpoints_and_resumes(release, fmt, uninterrupted, tmp_path):
     assert_same_checkpoint(iteration_dir(ref_dir, ITERATIONS), iteration_dir(workdir, ITERATIONS), fmt)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("saved,resumed_fmt", [("bcp", "torch_dist"), ("torch_dist", "bcp")])
+@pytest.mark.parametrize("release", RELEASES)
+def test_resume_across_formats(release, saved, resumed_fmt, uninterrupted, tmp_path):
+    """A run saved with one `--ckpt-format` resumes under the other (Megatron's plain optimizer,
+    synchronous saves), the script calling enable_megatron_lm() either way: the iteration-3
+    checkpoint loads, iterations 4-6 log the uninterrupted run's losses, and the iteration-6
+    checkpoint, written in the new format, holds its tensors bit for bit."""
+    reference, ref_dir = uninterrupted(release, saved)
+    workdir = str(tmp_path)
+    resume_from(ref_dir, workdir, SAVE_INTERVAL)
+    resumed = pretrain(release, workdir, fmt=resumed_fmt, enable_bcp=True)
+    resumed_at(resumed, SAVE_INTERVAL)
+    assert backend(iteration_dir(workdir, SAVE_INTERVAL)) == saved
+    assert resumed.losses == {i: reference.losses[i] for i in range(SAVE_INTERVAL + 1, ITERATIONS + 1)}
+    assert_same_checkpoint(iteration_dir(ref_dir, ITERATIONS), iteration_dir(workdir, ITERATIONS), saved, resumed_fmt)
+
+
 MEGATRON_FULLY_RESHARDABLE_DEFECT = (
     "Megatron's own save of the distributed optimizer's fully_reshardable layout cuts each parameter's state "
     "out of the DP-gathered buffer at its padded offset, the gather having dropped the padding between "
@@ -287,3 +310,29 @@ def test_reshard_on_resume(release, source, fmt, uninterrupted, tmp_path):
     assert backend(iteration_dir(workdir, ITERATIONS)) == fmt
     for i in range(SAVE_INTERVAL + 1, ITERATIONS + 1):
         assert abs(resumed.losses[i] - reference.losses[i]) <= RESHARD_TOLERANCE, (i, report)
+
+
+# ----------------------------------------------------------------------------- the recipe
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT + 60)
+@pytest.mark.parametrize("release", megatron_releases.params(need_tree=True, releases=("0.19.0",)))
+def test_recipe_trains_at_tp2_and_resumes_at_tp1(release, tmp_path):
+    """recipes/megatron_lm_pretrain.sh as the README runs it, on the newest release: both runs
+    finish, the resumed run logs iterations 4-6 with the first run's gradient norms, and the two
+    iteration-6 checkpoints agree within 1e-5 in every tensor."""
+    import re
+    import subprocess
+    import sys
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    env = {**os.environ, **megatron_releases.env(release, need_tree=True), "PYTHON": sys.executable}
+    done = subprocess.run(["bash", os.path.join(root, "recipes", "megatron_lm_pretrain.sh"),
+                           megatron_releases.tree(release), str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=2 * LAUNCH_TIMEOUT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    rows = {int(m[0]): m[1:] for m in re.findall(r"^(\d) \| (\S+) \| (\S+) \| (\S+) \| (\S+)$", done.stdout, re.M)}
+    assert sorted(rows) == list(range(1, ITERATIONS + 1)), done.stdout
+    assert all(rows[i][2:] == ("-", "-") for i in range(1, SAVE_INTERVAL + 1)), done.stdout
+    assert all(rows[i][1] == rows[i][3] for i in range(SAVE_INTERVAL + 1, ITERATIONS + 1)), done.stdout
+    largest = float(re.search(r"largest difference (\S+)", done.stdout)[1])
+    assert largest <= 1e-5, done.stdout

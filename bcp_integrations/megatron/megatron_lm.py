@@ -15,9 +15,9 @@ dist_checkpointing. So rather than touching each of those places:
 2. the routing of dist_checkpointing's save (routing.py) then gives every save of the run, whatever
    strategy Megatron-LM built for it (looked up on 0.16, constructed directly from 0.17 on, wrapped
    for `--ckpt-fully-parallel-save`), to bcp;
-3. loads need nothing: the routing reads a checkpoint whose `metadata.json` names bcp with bcp, so a
-   bcp checkpoint resumes under any `--ckpt-format`, and a torch_dist one still loads under
-   `--ckpt-format bcp`;
+3. loads need nothing: the routing reads a checkpoint whose `metadata.json` names bcp with bcp, so in
+   a process that made this call a bcp checkpoint resumes under any `--ckpt-format`, and a
+   torch_dist one still loads under `--ckpt-format bcp`;
 4. the distributed optimizer's `fully_reshardable` state (`--dist-ckpt-optim-fully-reshardable`) is
    saved gather-free (`optimizer.fully_reshardable_param_state`), which also avoids Megatron's own
    save of that layout misplacing the state of every parameter after a padded bucket boundary

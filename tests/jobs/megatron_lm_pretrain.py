@@ -4,7 +4,7 @@
         --release 0.19.0 --record DIR [--bcp] [--iteration-delay S] -- <pretrain_gpt.py arguments>
 
 --release: the Megatron-LM source tree $BCP_MEGATRON_LM/core_v<release> is imported instead of the
-installed megatron-core; the CPU stand-ins of tests/megatron_lm_cpu.py are installed, then the
+installed megatron-core; the CPU stand-ins of recipes/_megatron_lm_cpu.py are installed, then the
 tree's pretrain_gpt.py runs as `__main__` with the given arguments. --record: each rank that logs
 an iteration's loss (the last pipeline stage) appends it to DIR/losses_rank<r>.jsonl as
 {"iteration": i, "lm loss": x}, x exactly as Megatron computed it (its own log prints 6 digits and,

@@ -1,7 +1,7 @@
 """Test processes of megatron-core 0.17+ on Python 3.11 without a GPU (README.md beside this)."""
 import importlib.util
+import os
 import sys
-import types
 import typing
 
 if not hasattr(typing, "override"):
@@ -9,24 +9,16 @@ if not hasattr(typing, "override"):
 
     typing.override = override
 
-TRITON_KERNEL_MODULES = ("megatron.core.transformer.moe.ops.paged_stash",
-                         "megatron.core.transformer.custom_layers.batch_invariant_kernels")
+
+def _recipes_cpu_stand_ins():
+    """recipes/_megatron_lm_cpu.py, imported once under its own name."""
+    if "_megatron_lm_cpu" not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "recipes", "_megatron_lm_cpu.py")
+        spec = importlib.util.spec_from_file_location("_megatron_lm_cpu", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["_megatron_lm_cpu"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["_megatron_lm_cpu"]
 
 
-def _kernel_stand_in(name: str) -> types.ModuleType:
-    module = types.ModuleType(name)
-
-    def __getattr__(attr):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-
-        def unavailable(*args, **kwargs):
-            raise RuntimeError(f"{name}.{attr} needs triton, which this test machine lacks")
-        return unavailable
-    module.__getattr__ = __getattr__
-    return module
-
-
-if importlib.util.find_spec("triton") is None:
-    for _name in TRITON_KERNEL_MODULES:
-        sys.modules.setdefault(_name, _kernel_stand_in(_name))
+_recipes_cpu_stand_ins().without_triton()
