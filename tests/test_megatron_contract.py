@@ -497,3 +497,27 @@ def test_unsupported_object_value_is_named_with_its_key_and_type(tmp_path):
         pass
     with pytest.raises(bcp.SaveError, match=r"UnsupportedValueError: cfg/shard_0_1: .*Config.*allow_pickle=True"):
         bm.save({"o": ShardedObject("cfg", Config(), (1,), (0,))}, str(tmp_path)).wait()
+
+
+def test_a_megatron_core_without_the_interfaces_the_routing_needs_fails_at_import_naming_them(monkeypatch):
+    """A future megatron-core that renamed what the routing wraps or checks: importing (here:
+    routing.check_api, which importing bcp_integrations.megatron runs) raises
+    UnsupportedFrameworkError naming each missing interface, rather than saving another format."""
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.strategies import fully_parallel
+
+    from bcp_core.errors import BCPError, UnsupportedFrameworkError
+    from bcp_integrations.megatron import routing
+    routing.check_api()  # the installed release has everything
+
+    def load(sharded_state_dict, checkpoint_dir):  # lost its sharded_strategy parameter
+        raise AssertionError("never called")
+    monkeypatch.setattr(serialization, "load", load)
+    monkeypatch.delattr(fully_parallel, "FullyParallelLoadStrategyWrapper")
+    with pytest.raises(UnsupportedFrameworkError) as e:
+        routing.check_api()
+    assert isinstance(e.value, BCPError)
+    message = str(e.value)
+    assert "dist_checkpointing.serialization.load(..., sharded_strategy)" in message, message
+    assert "fully_parallel.FullyParallelLoadStrategyWrapper" in message and "megatron-core 0.16 to 0.19" in message, \
+        message
