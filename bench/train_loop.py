@@ -33,8 +33,10 @@ times (best run kept):
 Reported, as the slowest rank: the mean normal step, the first checkpoint step (the first save of
 the structure: planning, fresh staging memory) and the mean of later checkpoint steps, each as a
 ratio to the normal step of the same run; the throughput over all steps relative to the run with
-no checkpoints (the paper's ETTR view); and each system's peak RSS per rank. No assertion: this is
-a measurement, printed as JSON.
+no checkpoints (the paper's ETTR view); each system's peak RSS per rank; and rank 0's CPU seconds
+per checkpoint step beyond a normal step's, on the training thread and on all other threads (the
+save's background work: on a machine whose cores all train, it is taken from training). No
+assertion: this is a measurement, printed as JSON.
 """
 
 from __future__ import annotations
@@ -74,6 +76,18 @@ def _model(loop: str, hidden: int, layers: int, d_model: int, tf_layers: int):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model, torch.optim.Adam(model.parameters(), lr=1e-4)
+
+
+def _cpu() -> tuple[float, float]:
+    """CPU seconds so far: of the calling thread, of the whole process."""
+    me, proc = resource.getrusage(resource.RUSAGE_THREAD), resource.getrusage(resource.RUSAGE_SELF)
+    return me.ru_utime + me.ru_stime, proc.ru_utime + proc.ru_stime
+
+
+def _cpu_since(c0: tuple[float, float]) -> tuple[float, float]:
+    """CPU seconds since `c0` (from _cpu): of the calling thread, of every other thread."""
+    me, proc = _cpu()
+    return me - c0[0], (proc - c0[1]) - (me - c0[0])
 
 
 def _max_all(values: list[float]) -> list[float]:
@@ -158,8 +172,10 @@ def _job(loop: str, system: str, root: str, a: dict) -> dict:
     steps, every = a["steps"], a["every"]
 
     phases: list[tuple[float, float]] = []  # per step: forward+backward, optimizer step
+    cpu: list[tuple[float, float]] = []  # per step: CPU seconds of this (training) thread, of the others
 
     def step():
+        c0 = _cpu()
         t0 = time.perf_counter()
         loss = model(x).square().mean()
         optim.zero_grad(set_to_none=True)
@@ -167,12 +183,14 @@ def _job(loop: str, system: str, root: str, a: dict) -> dict:
         t1 = time.perf_counter()
         optim.step()
         phases.append((t1 - t0, time.perf_counter() - t1))
+        cpu.append(_cpu_since(c0))
 
     for _ in range(3):  # warm-up: optimizer state exists, allocator settled
         step()
     phases.clear()
+    cpu.clear()
     save = _saver(system, root, model, optim) if system != "none" else None
-    waiter, times, waits, calls = None, [], [], []
+    waiter, times, waits, calls, call_cpu = None, [], [], [], []
 
     def checkpoint(s: int) -> None:
         nonlocal waiter
@@ -180,9 +198,11 @@ def _job(loop: str, system: str, root: str, a: dict) -> dict:
         if waiter is not None:
             waiter()  # at most one checkpoint in flight: k steps are meant to cover one write
         t1 = time.perf_counter()
+        c1 = _cpu()
         waiter = save(s)
         waits.append(t1 - t0)
         calls.append(time.perf_counter() - t1)
+        call_cpu.append(_cpu_since(c1))
 
     dist.barrier()
     for s in range(steps):
@@ -226,6 +246,15 @@ def _job(loop: str, system: str, root: str, a: dict) -> dict:
             (round(fb[s] / (sum(fb[n] for n in range(steps) if n not in hit) / (steps - len(hit))), 2),
              round(op[s] / (sum(op[n] for n in range(steps) if n not in hit) / (steps - len(hit))), 2))
             for s in hit if s < steps]
+        # CPU seconds of the checkpoint step (the call and the step that runs beside the save's
+        # background work) over a normal step's: on the training thread, and on every other thread
+        # (the save's threads; gloo's too, as in any step), as this rank's mean over checkpoints
+        busy = [n for n in range(steps) if n not in hit]
+        norm = [sum(cpu[n][i] for n in busy) / len(busy) for i in (0, 1)]
+        extra = [[call_cpu[k][i] + cpu[s][i] - norm[i] for i in (0, 1)]
+                 for k, s in enumerate(hit) if s < steps]
+        out["normal_step_cpu_s"] = norm
+        out["ckpt_step_extra_cpu_s"] = extra
     return out
 
 
@@ -285,7 +314,11 @@ def _run_loop(loop: str, args, root: str) -> dict:
                     # where a checkpoint step's time goes: waiting for the previous save, the save call
                     "wait_previous_s": [round(x, 3) for x in r["wait_s"]],
                     "save_call_s": [round(x, 3) for x in r["call_s"]],
-                    "ckpt_fwd_bwd_and_optim_step_over_normal": r["ckpt_phases_over_normal"]}
+                    "ckpt_fwd_bwd_and_optim_step_over_normal": r["ckpt_phases_over_normal"],
+                    # rank 0's CPU seconds per checkpoint step beyond a normal step's: (training
+                    # thread, other threads); a normal step's CPU for scale
+                    "ckpt_step_extra_cpu_s": [[round(v, 3) for v in c] for c in r["ckpt_step_extra_cpu_s"]],
+                    "normal_step_cpu_s": [round(v, 3) for v in r["normal_step_cpu_s"]]}
         row["runs_total_s"] = [round(x["total_s"], 3) for x in runs[s]]
         table[s] = row
     if {"bcp_lazy", "dcp"} <= best.keys():
