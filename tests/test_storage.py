@@ -595,6 +595,39 @@ def test_direct_io_falls_back_to_buffered_writes(tmp_path, small_io, monkeypatch
         bst.configure_storage(direct_io=1)
 
 
+def test_direct_write_failing_in_flight_fails_the_file(tmp_path, small_io, monkeypatch):
+    """A full aligned buffer is written by the writer's own thread while the next one fills: a
+    device error there (ENOSPC) is raised by a later write or by close, the temporary file is
+    removed, and the aligned buffers go back to the pool."""
+    if not _direct_io_here(tmp_path):
+        pytest.skip(f"{tmp_path} has no O_DIRECT")
+    import errno
+
+    from bcp_core.storage import local
+    st = bst.storage_for(str(tmp_path))
+    real_pwrite = os.pwrite
+    calls = []
+
+    def pwrite(fd, buf, pos):
+        calls.append(pos)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, buf, pos)
+    monkeypatch.setattr(local.os, "pwrite", pwrite)
+    for size in (4 * PART, 2 * PART + 7):  # the error met by a later write / only at close
+        calls.clear()
+        w = st.open_writer(f"f{size}")
+        with pytest.raises(OSError, match="No space left"):
+            for i in range(0, size, PART // 2):
+                w.write(memoryview(os.urandom(min(PART // 2, size - i))))
+            w.close()
+        w.abort()  # what the engine does on any error; a second abort is harmless
+        left = [f.name for f in tmp_path.iterdir() if f.name != ".probe"]
+        assert not left, left
+        assert w.inflight is None and w.buf is None and w.pool is None
+    assert len(local._ALIGNED._free) <= local._AlignedBuffers.KEEP
+
+
 def test_retry_classification_and_messages(small_io):
     calls = []
 

@@ -22,6 +22,7 @@ import mmap
 import os
 import stat
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -94,10 +95,15 @@ def _copy(dst: np.ndarray, src) -> None:
 
 
 class _LocalWriter(FileWriter):
-    """A file written at increasing offsets: in parallel chunks, directly to the device if it can.
+    """A file written at increasing offsets: directly to the device if it can, else in parallel chunks.
 
     The bytes go to a new temporary file in the target's directory (`dir_fd`, owned by the writer
     from now on); `close` renames it into place, `abort` deletes it. Each descriptor is closed once.
+
+    Direct I/O: the bytes are copied into a page-aligned buffer (`_ALIGNED`); a full buffer is
+    written by a thread of the writer's own while the next one fills, so copying and the device
+    overlap and writes of any size (the engine hands over 1 MiB at a time) cost one copy. The last,
+    partial block goes out padded at `close`, and the file is cut to size.
     """
 
     def __init__(self, dir_fd: int, name: str, shown: str, fsync: bool, mode: int = 0o644):
@@ -120,73 +126,97 @@ class _LocalWriter(FileWriter):
         except BaseException:
             self._close_dir()
             raise
-        self.pos = 0
-        self.tail = b""  # direct I/O: the bytes after the last aligned offset, not written yet
+        self.pos = 0  # bytes taken so far
+        # direct I/O: the buffer being filled (bytes [pos - fill, pos) of the file), and the previous
+        # one while its write is in flight: (future, buffer, file offset, bytes)
+        self.buf: mmap.mmap | None = None
+        self.fill = 0
+        self.inflight: tuple[Future, mmap.mmap, int, int] | None = None
+        self.pool: ThreadPoolExecutor | None = None
 
     def write(self, data: memoryview) -> None:
         data = memoryview(data).cast("B")
         if self.direct:
-            try:
-                self._write_direct(data)
+            data = self._write_direct(data)
+            if not len(data):
                 return
-            except OSError as e:
-                if e.errno != errno.EINVAL:  # EINVAL: the device wants another alignment
-                    raise
-                self._stop_direct()
         pos = self.pos
         run_all([lambda lo=lo, hi=hi: _pwrite_all(self.fd, data[lo:hi], pos + lo) for lo, hi in chunks(len(data))])
         self.pos += len(data)
 
-    def _write_direct(self, data: memoryview) -> None:
-        """Write the aligned part of (tail + data) through aligned buffers; keep the rest as tail.
-        State changes only once every chunk is written, so a failed call can be redone buffered."""
-        tail, start = self.tail, self.pos - len(self.tail)  # start is aligned
-        whole = (len(tail) + len(data)) // ALIGN * ALIGN
-        step = _ALIGNED.size()
+    def _write_direct(self, data: memoryview) -> memoryview:
+        """Copy `data` into aligned buffers, handing each full one to the I/O thread. Returns what
+        is left to write buffered if the device refused direct I/O (EINVAL: another alignment)."""
+        while len(data):
+            if self.buf is None:
+                self.buf, self.fill = _ALIGNED.get(), 0
+            take = min(len(data), len(self.buf) - self.fill)
+            _copy(np.frombuffer(self.buf, dtype=np.uint8, count=take, offset=self.fill), data[:take])
+            self.fill += take
+            self.pos += take
+            data = data[take:]
+            if self.fill == len(self.buf):
+                try:
+                    self._wait_inflight()
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    self._stop_direct()
+                    return data
+                if self.pool is None:
+                    self.pool = ThreadPoolExecutor(1, thread_name_prefix="bcp-io")
+                buf, at, n = self.buf, self.pos - self.fill, self.fill
+                self.buf, self.fill = None, 0
+                self.inflight = (self.pool.submit(_pwrite_all, self.fd, memoryview(buf)[:n], at), buf, at, n)
+        return data
 
-        def put(lo: int, hi: int) -> None:  # bytes [lo, hi) of tail + data
-            buf = _ALIGNED.get()
-            try:
-                out = np.frombuffer(buf, dtype=np.uint8, count=hi - lo)
-                split = max(0, min(len(tail), hi) - lo)
-                if split:
-                    _copy(out[:split], tail[lo:lo + split])
-                _copy(out[split:], data[max(0, lo - len(tail)):hi - len(tail)])
-                _pwrite_all(self.fd, memoryview(buf)[:hi - lo], start + lo)
-            finally:
-                _ALIGNED.put(buf)
-        if whole:
-            run_all([lambda lo=lo: put(lo, min(lo + step, whole)) for lo in range(0, whole, step)])
-        rest = data[max(0, whole - len(tail)):]
-        self.tail = bytes(tail[whole:]) + bytes(rest) if whole < len(tail) else bytes(rest)
-        self.pos += len(data)
+    def _wait_inflight(self) -> None:
+        """Wait for the buffer in flight; it goes back to the pool once written."""
+        if self.inflight is None:
+            return
+        future, buf, _, _ = self.inflight
+        future.result()  # raises its OSError, the buffer still held
+        self.inflight = None
+        _ALIGNED.put(buf)
 
     def _stop_direct(self) -> None:
-        """Go on buffered: rewrite the unwritten tail through the page cache."""
+        """Go on buffered: rewrite through the page cache what direct I/O has not written."""
         import fcntl  # POSIX only, as O_DIRECT is
         fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
         self.direct = False
-        _pwrite_all(self.fd, memoryview(self.tail), self.pos - len(self.tail))
-        self.tail = b""
+        pending = []
+        if self.inflight is not None:
+            future, buf, at, n = self.inflight
+            self.inflight = None
+            future.exception()  # ended (it failed, or a later write failed)
+            pending.append((buf, at, n))
+        if self.buf is not None:
+            pending.append((self.buf, self.pos - self.fill, self.fill))
+            self.buf, self.fill = None, 0
+        try:
+            for buf, at, n in pending:
+                _pwrite_all(self.fd, memoryview(buf)[:n], at)
+        finally:
+            for buf, _, _ in pending:
+                _ALIGNED.put(buf)
 
     def _finish_direct(self) -> None:
-        """The last partial block goes out padded to the alignment; the file is then cut to size."""
-        if not self.tail:
-            return
-        buf = _ALIGNED.get()
+        """Wait for the buffer in flight; the last partial block goes out padded to the alignment;
+        the file is then cut to size."""
         try:
-            n = -(-len(self.tail) // ALIGN) * ALIGN
-            buf[:len(self.tail)] = self.tail
-            buf[len(self.tail):n] = bytes(n - len(self.tail))
-            try:
-                _pwrite_all(self.fd, memoryview(buf)[:n], self.pos - len(self.tail))
-                self.tail = b""
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                self._stop_direct()
-        finally:
-            _ALIGNED.put(buf)
+            self._wait_inflight()
+            if self.fill:
+                n = -(-self.fill // ALIGN) * ALIGN
+                self.buf[self.fill:n] = bytes(n - self.fill)  # a reused buffer holds older bytes there
+                _pwrite_all(self.fd, memoryview(self.buf)[:n], self.pos - self.fill)
+                self.fill = 0
+            if self.buf is not None:
+                _ALIGNED.put(self.buf)
+                self.buf = None
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self._stop_direct()
         os.ftruncate(self.fd, self.pos)
 
     def close(self) -> None:
@@ -198,6 +228,7 @@ class _LocalWriter(FileWriter):
                 if self.fsync:  # direct writes too: the file's size and the device's cache
                     os.fsync(self.fd)
             finally:
+                self._end_io()
                 self._close_fd()
             # rename() replaces a name, never writes through it: a link planted there is dropped, not followed
             os.replace(self.tmp, self.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
@@ -207,12 +238,27 @@ class _LocalWriter(FileWriter):
         self._close_dir()
 
     def abort(self) -> None:
+        self._end_io()
         with contextlib.suppress(OSError):
             self._close_fd()
         if self.dir_fd is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self.tmp, dir_fd=self.dir_fd)
             self._close_dir()
+
+    def _end_io(self) -> None:
+        """The I/O thread ended (its write waited for, whatever its outcome), the buffers given back."""
+        if self.inflight is not None:
+            future, buf, _, _ = self.inflight
+            self.inflight = None
+            future.exception()
+            _ALIGNED.put(buf)
+        if self.buf is not None:
+            _ALIGNED.put(self.buf)
+            self.buf, self.fill = None, 0
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     def _close_fd(self) -> None:
         # Closed once: a second close could hit another component's file that got the same number.
