@@ -107,7 +107,7 @@ CALLS = collections.Counter()
 
 
 def _count_calls(cls, method: str, label: str) -> None:
-    original = cls.__dict__[method]
+    original = getattr(cls, method)  # inherited in 0.16 (from the strategy base classes)
 
     @functools.wraps(original)
     def counted(*args, **kwargs):
