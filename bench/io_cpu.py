@@ -12,10 +12,12 @@ processes:
   (`snapshot="lazy"`, the default) `--repeat` times while the caller only waits (the first save
   plans; later ones reuse the plan). The CPU time of the whole process over each save (user and
   kernel, `getrusage`) is split, per thread that did the work (`RUSAGE_THREAD` around the hot
-  functions), into hashing, the lazy snapshot's copies, copying into the aligned write buffers, the
-  write syscalls, closing the files (fsync), the save call, the plan round, the commit round
-  (metadata, directory syncs, pruning) and the rest (thread pools, headers, metrics): seconds per
-  GiB written by the rank.
+  functions; a probed call inside another counts in its own category only), into hashing (with
+  bcp's hashing fused into the writes: the first read of the bytes from memory and handing them to
+  the writer), the lazy snapshot's copies, copying into the aligned write buffers, the write
+  syscalls, closing the files (fsync), the save call, the plan round, the commit round (metadata,
+  directory syncs, pruning) and the rest (threads, headers, metrics): seconds per GiB written by
+  the rank. Run it with PYTHONPATH naming another bcp checkout to compare two versions.
 - load: `--load-gib` of Shard(0) DTensors over the ranks, saved once, then loaded `--repeat` times
   into the same layout with the files in the page cache, alternated with the floor: a `preadv` of
   the same data files' bytes into preallocated tensors (one kernel copy, nothing verified). A load
