@@ -55,19 +55,24 @@ ALIGN = 4096
 
 
 class _AlignedBuffers:
-    """Page-aligned buffers (anonymous maps) of `chunk_bytes`, reused from one write to the next:
-    their pages are faulted in once per process, not once per checkpoint. At most `KEEP` stay
-    mapped between writes (64 MiB with the default chunk)."""
+    """Page-aligned buffers (anonymous maps) of `BYTES` (at most `chunk_bytes`), reused from one
+    write to the next: their pages are faulted in once per process, not once per checkpoint. At
+    most `KEEP` stay mapped between writes.
 
+    Small enough that the buffers a writer cycles through stay in the core's cache: copying into
+    them took 0.04 s of CPU per GiB with 2 MiB buffers against 0.13-0.15 s with 16 MiB ones, and
+    a file was written sooner (bench/io_cpu.py, the development VM)."""
+
+    BYTES = 2 << 20
     KEEP = 4
 
     def __init__(self):
         self._free: list[mmap.mmap] = []
         self._lock = threading.Lock()
 
-    @staticmethod
-    def size() -> int:
-        return -(-CONFIG.chunk_bytes // ALIGN) * ALIGN
+    @classmethod
+    def size(cls) -> int:
+        return -(-min(cls.BYTES, CONFIG.chunk_bytes) // ALIGN) * ALIGN
 
     def get(self) -> mmap.mmap:
         with self._lock:
