@@ -628,6 +628,82 @@ def test_direct_write_failing_in_flight_fails_the_file(tmp_path, small_io, monke
     assert len(local._ALIGNED._free) <= local._AlignedBuffers.KEEP
 
 
+def test_failed_direct_write_leaves_nothing_behind_when_the_buffer_pool_is_full(tmp_path, small_io, monkeypatch):
+    """The error of a write on the I/O thread keeps a view of its aligned buffer alive (its traceback)
+    while the writer gives the buffer back: with the pool already full (other files gave theirs back
+    meanwhile) the buffer must be dropped, not closed (BufferError), so that abort still closes the
+    descriptors, ends the I/O thread and removes the temporary file."""
+    if not _direct_io_here(tmp_path):
+        pytest.skip(f"{tmp_path} has no O_DIRECT")
+    import errno
+    import mmap
+
+    from bcp_core.storage import local
+    st = bst.storage_for(str(tmp_path))
+    real_pwrite = os.pwrite
+    calls = []
+
+    def pwrite(fd, buf, pos):
+        calls.append(pos)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, buf, pos)
+    monkeypatch.setattr(local.os, "pwrite", pwrite)
+    w = st.open_writer("f")
+    with pytest.raises(OSError, match="No space left"):  # the engine aborts with the error still alive
+        for _ in range(3):
+            w.write(memoryview(os.urandom(PART)))
+    for _ in range(local._AlignedBuffers.KEEP):
+        local._ALIGNED.put(mmap.mmap(-1, local._ALIGNED.size()))
+    w.abort()
+    assert w.fd is None and w.dir_fd is None and w.pool is None
+    left = [f.name for f in tmp_path.iterdir() if f.name != ".probe"]
+    assert not left, left
+
+
+def test_forked_child_shares_no_aligned_buffer_or_lock_with_its_parent():
+    """A fork snapshot's child writes through aligned buffers of its own: the parent's are shared
+    maps (the child's bytes would land in a buffer the parent fills too), and the pool's lock may be
+    held by another thread of the parent at the fork."""
+    import signal
+
+    from bcp_core.storage import local
+    buf = local._ALIGNED.get()
+    buf[:5] = b"....."
+    local._ALIGNED.put(buf)
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with local._ALIGNED._lock:
+            held.set()
+            release.wait(30)
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert held.wait(30)
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            code = 1
+            try:
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                signal.alarm(10)  # a deadlock ends the child, not the test
+                child = local._ALIGNED.get()
+                child[:5] = b"child"
+                code = 0
+            finally:
+                os._exit(code)
+    finally:
+        release.set()
+        t.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child could not take an aligned buffer"
+    mine = local._ALIGNED.get()
+    try:
+        assert mine is buf and bytes(mine[:5]) == b"....."
+    finally:
+        local._ALIGNED.put(mine)
+
+
 def test_retry_classification_and_messages(small_io):
     calls = []
 

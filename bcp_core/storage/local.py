@@ -80,18 +80,26 @@ class _AlignedBuffers:
                 buf = self._free.pop()
                 if len(buf) == self.size():
                     return buf
-                buf.close()
         return mmap.mmap(-1, self.size())
 
     def put(self, buf: mmap.mmap) -> None:
+        # A buffer not kept is dropped, not closed: a view of it may outlive its write (the traceback
+        # of a failed write, the I/O thread's task until it is deleted), and close() would then raise.
+        # Its pages are unmapped with its last reference.
         with self._lock:
             if len(self._free) < self.KEEP and len(buf) == self.size():
                 self._free.append(buf)
-                return
-        buf.close()
+
+    def forget(self) -> None:
+        """In a forked child: the buffers are maps shared with the parent (which goes on filling
+        them) and the lock may have been held by another of its threads; start afresh."""
+        self._free = []
+        self._lock = threading.Lock()
 
 
 _ALIGNED = _AlignedBuffers()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_ALIGNED.forget)
 
 
 def _copy(dst: np.ndarray, src) -> None:
