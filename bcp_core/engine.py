@@ -62,10 +62,16 @@ class WrittenPiece:
     checksums: tuple[int, ...]
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """`t` as one dimension: a view of stride 1 if `t` is contiguous. A tensor of one element or
+    none counts as contiguous whatever its strides, and reshape keeps them; a byte view needs 1."""
+    return t.reshape(-1) if t.numel() > 1 else t.as_strided((t.numel(),), (1,))
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return memoryview(_flat(t).view(torch.uint8).numpy()).cast("B")
 
 
 def checksum(data) -> int:
@@ -279,7 +285,7 @@ def copy_span(item: ReadItem, buf: torch.Tensor, span_lo: int) -> None:
         if one_run and dest.device.type == "cpu":
             # One run of bytes: one memcpy, without the GIL. torch's copy loop took 12 % more CPU here
             # (bench/io_cpu.py), and from about 180 MiB on glibc's streaming stores take half as much.
-            np.copyto(dest.reshape(-1).view(torch.uint8).numpy(), np.frombuffer(tensor_bytes(src), np.uint8))
+            np.copyto(_flat(dest).view(torch.uint8).numpy(), np.frombuffer(tensor_bytes(src), np.uint8))
         else:
             dest.copy_(src)
 

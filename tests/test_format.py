@@ -104,3 +104,24 @@ def test_metrics_scalars_for_training_loggers(tmp_path):
     assert values["bcp/save/write_bytes"] >= 4000 and values["bcp/save/total_s"] > 0
     assert values["bcp/load/read_s"] >= 0 and "bcp/load/total_s" in values
     assert sink.pop() == {}
+
+
+def test_views_of_one_or_no_element_with_any_strides_round_trip(tmp_path):
+    """A tensor of one element or none counts as contiguous whatever its strides, and reshape keeps
+    them: saving such views and loading into them (the one-run copy) moves the right bytes and no other."""
+    def views(base_f32, base_bf16, base_c64):
+        return {"one": base_f32[::2][:1], "none": base_f32[::2][:0],  # shape (1,) / (0,), stride (2,)
+                "cell": base_bf16.reshape(1, 4).t()[:1],  # shape (1, 1), strides (1, 4)
+                "z": base_c64[::3][1:2]}
+
+    saved = views(torch.arange(8.0), torch.arange(4.0).to(torch.bfloat16), torch.arange(6.0).to(torch.complex64))
+    bcp.save(str(tmp_path), saved).wait()
+    bases = (torch.full((8,), -1.0), torch.full((4,), -1.0).to(torch.bfloat16), torch.full((6,), -1.0 + 0j))
+    before = [b.clone() for b in bases]
+    out = views(*bases)
+    bcp.load(str(tmp_path), out)
+    for k, v in saved.items():
+        assert torch.equal(out[k], v), k
+    assert torch.equal(bases[0], torch.tensor([0.0, -1, -1, -1, -1, -1, -1, -1]))
+    assert torch.equal(bases[1], before[1].index_fill(0, torch.tensor([0]), 0))
+    assert torch.equal(bases[2], before[2].index_fill(0, torch.tensor([3]), 3))
