@@ -661,6 +661,20 @@ def test_failed_direct_write_leaves_nothing_behind_when_the_buffer_pool_is_full(
     assert not left, left
 
 
+def test_write_after_close_or_abort_is_refused(tmp_path):
+    """A direct-I/O writer takes a small write into its aligned buffer: after close or abort nothing
+    would ever write it, so the write is refused instead of the bytes being dropped."""
+    st = bst.storage_for(str(tmp_path))
+    for end in ("close", "abort"):
+        w = st.open_writer(f"f_{end}")
+        w.write(memoryview(b"abc"))
+        getattr(w, end)()
+        with pytest.raises(bst.StorageError, match=f"f_{end} after it was closed or aborted"):
+            w.write(memoryview(b"more"))
+        assert w.buf is None and w.pool is None
+    assert (tmp_path / "f_close").read_bytes() == b"abc" and not (tmp_path / "f_abort").exists()
+
+
 def test_forked_child_shares_no_aligned_buffer_or_lock_with_its_parent():
     """A fork snapshot's child writes through aligned buffers of its own: the parent's are shared
     maps (the child's bytes would land in a buffer the parent fills too), and the pool's lock may be

@@ -148,6 +148,8 @@ class _LocalWriter(FileWriter):
         self.pool: ThreadPoolExecutor | None = None
 
     def write(self, data: memoryview) -> None:
+        if self.fd is None:  # direct I/O would take the bytes into a buffer that is never written
+            raise StorageError(f"rank {this_rank()}: write to {self.path} after it was closed or aborted")
         data = memoryview(data).cast("B")
         if self.direct:
             data = self._write_direct(data)
