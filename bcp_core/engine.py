@@ -79,26 +79,30 @@ def checksum(data) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-# Bytes hashed and handed to the writer at a time: still in the core's cache (L2) when the writer
-# copies them into its buffers, so hashing and writing take one pass over memory, not two.
-HASH_STEP = 1 << 20
-
-
 def _write_hashed(writer, data: memoryview, block: int) -> tuple[tuple[int, ...], float]:
-    """Write `data` a step at a time, hashing each step just before; the checksum of each `block`
-    and the seconds spent hashing."""
+    """Hash `data` (the checksum of each `block`) and write it, `writer.write_bytes` at a time, each
+    part hashed just before it is written (the writer then reads bytes still in the core's cache);
+    a writer that prefers large writes (`write_bytes` None) gets the whole piece, hashed first.
+    Returns the checksums and the seconds spent hashing."""
+    step = getattr(writer, "write_bytes", None) or max(len(data), 1)
     sums, hashing = [], 0.0
-    for lo in range(0, len(data), block):
-        blk = data[lo:lo + block]
-        h = xxhash.xxh3_64()  # streaming XXH3: the digest of the whole block, as `checksum` gives
-        for i in range(0, len(blk), HASH_STEP):
-            step = blk[i:i + HASH_STEP]
-            t0 = time.perf_counter()
-            h.update(step)
-            hashing += time.perf_counter() - t0
-            writer.write(step)
+    h, in_block = xxhash.xxh3_64(), 0  # streaming XXH3: a block's digest equals `checksum` of its bytes
+    for lo in range(0, len(data), step):
+        part = data[lo:lo + step]
+        t0 = time.perf_counter()
+        i = 0
+        while i < len(part):
+            take = min(block - in_block, len(part) - i)
+            h.update(part[i:i + take])
+            in_block, i = in_block + take, i + take
+            if in_block == block:
+                sums.append(h.intdigest())
+                h, in_block = xxhash.xxh3_64(), 0
+        hashing += time.perf_counter() - t0
+        writer.write(part)
+    if in_block or not sums:
         sums.append(h.intdigest())
-    return tuple(sums) or (checksum(b""),), hashing
+    return tuple(sums), hashing
 
 
 def _header(items: list[WriteItem]) -> bytes:
@@ -138,7 +142,7 @@ def write_items(storage: Storage, rank: int, items: list[WriteItem], num_files: 
     `hold(tensor)`, if given, is a context manager yielding the tensor whose bytes to write for an
     item's tensor (a lazy snapshot's live source or its copy, staging.LazyCopy.hold); the bytes are
     read (written and checksummed) before it exits. A piece is hashed as it is handed to the writer,
-    a step at a time (`_write_hashed`): its bytes are read from memory once for both.
+    in the parts the writer asks for (`_write_hashed`).
     """
     if not items:
         return []

@@ -125,3 +125,29 @@ def test_views_of_one_or_no_element_with_any_strides_round_trip(tmp_path):
     assert torch.equal(bases[0], torch.tensor([0.0, -1, -1, -1, -1, -1, -1, -1]))
     assert torch.equal(bases[1], before[1].index_fill(0, torch.tensor([0]), 0))
     assert torch.equal(bases[2], before[2].index_fill(0, torch.tensor([3]), 3))
+
+
+@pytest.mark.parametrize("write_bytes", [None, 1 << 20, 3, 4096])
+def test_pieces_are_hashed_per_block_and_written_in_the_parts_the_writer_asks_for(write_bytes):
+    """engine._write_hashed: whatever part size the writer asks for (None: the whole piece), every
+    byte is written once, in order, in parts of at most that size, and the checksums are those of
+    each block of the piece, as docs/format.md defines them (the empty piece: one, of no bytes)."""
+    from bcp_core.engine import _write_hashed, checksum
+
+    class Writer:
+        def __init__(self):
+            self.write_bytes, self.parts = write_bytes, []
+
+        def write(self, data):
+            self.parts.append(bytes(data))
+
+    rng = np.random.default_rng(0)
+    for size, block in [(0, 16), (1, 16), (15, 16), (16, 16), (17, 16), (4097, 1024), ((3 << 20) + 5, 1 << 20)]:
+        data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        w = Writer()
+        sums, _ = _write_hashed(w, memoryview(data), block)
+        assert b"".join(w.parts) == data, (size, block)
+        assert len(w.parts) == (max(1, math.ceil(size / write_bytes)) if write_bytes and size else int(size > 0))
+        assert all(len(p) <= (write_bytes or size) for p in w.parts)
+        expect = tuple(checksum(data[i:i + block]) for i in range(0, size, block)) or (checksum(b""),)
+        assert sums == expect, (size, block)

@@ -116,7 +116,12 @@ class FileWriter(ABC):
     """A file being written sequentially. `close()` makes it durable and visible; nothing is visible before.
 
     `write` has consumed (written or copied) the buffer when it returns, so callers may reuse it.
+    `write_bytes`: how much a `write` call should bring at most, where small calls cost the writer
+    nothing (it copies into buffers of its own); None: large calls are better (a writer that cuts
+    them into parallel chunks).
     """
+
+    write_bytes: int | None = None
 
     @abstractmethod
     def write(self, data: memoryview) -> None: ...

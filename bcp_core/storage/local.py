@@ -52,6 +52,9 @@ def _pread_all(fd: int, out: memoryview, pos: int, path: str) -> None:
 # O_DIRECT needs the buffer address, the file offset and the length aligned to the device's
 # logical block: 512 B or 4 KiB on the devices and filesystems in use.
 ALIGN = 4096
+# What a direct-I/O write call should bring (FileWriter.write_bytes): the engine hashes that much,
+# then hands it over, so the copy into the aligned buffer reads bytes still in the core's cache.
+DIRECT_WRITE_BYTES = 1 << 20
 
 
 class _AlignedBuffers:
@@ -60,7 +63,7 @@ class _AlignedBuffers:
     most `KEEP` stay mapped between writes.
 
     Small enough that the buffers a writer cycles through stay in the core's cache: copying into
-    them took 0.04 s of CPU per GiB with 2 MiB buffers against 0.13-0.15 s with 16 MiB ones, and
+    them took 0.02-0.04 s of CPU per GiB with 2 MiB buffers against 0.13-0.15 s with 16 MiB ones, and
     a file was written sooner (bench/io_cpu.py, the development VM)."""
 
     BYTES = 2 << 20
@@ -115,8 +118,10 @@ class _LocalWriter(FileWriter):
 
     Direct I/O: the bytes are copied into a page-aligned buffer (`_ALIGNED`); a full buffer is
     written by a thread of the writer's own while the next one fills, so copying and the device
-    overlap and writes of any size (the engine hands over 1 MiB at a time) cost one copy. The last,
-    partial block goes out padded at `close`, and the file is cut to size.
+    overlap and writes of any size cost one copy (`write_bytes`: the engine hands over 1 MiB at a
+    time, just hashed). The last, partial block goes out padded at `close`, and the file is cut to
+    size. Buffered (no direct I/O here, or memory://): each write is cut into `chunk_bytes` chunks
+    written by parallel threads, so the engine hands over whole pieces (`write_bytes` None).
     """
 
     def __init__(self, dir_fd: int, name: str, shown: str, fsync: bool, mode: int = 0o644):
@@ -139,6 +144,7 @@ class _LocalWriter(FileWriter):
         except BaseException:
             self._close_dir()
             raise
+        self.write_bytes = DIRECT_WRITE_BYTES if self.direct else None
         self.pos = 0  # bytes taken so far
         # direct I/O: the buffer being filled (bytes [pos - fill, pos) of the file), and the previous
         # one while its write is in flight: (future, buffer, file offset, bytes)
@@ -196,6 +202,7 @@ class _LocalWriter(FileWriter):
 
     def _stop_direct(self) -> None:
         """Go on buffered: rewrite through the page cache what direct I/O has not written."""
+        self.write_bytes = None
         import fcntl  # POSIX only, as O_DIRECT is
         fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
         self.direct = False
