@@ -125,6 +125,15 @@ def _run(ddp, batch: torch.Tensor, forward_only: bool):
     return out.get("logits") if ps.is_pipeline_last_stage() else None
 
 
+def _train(ddp, opt, batches) -> None:
+    """One optimizer step per batch: zeroed gradients, a pipeline pass with backward, the step."""
+    for batch in batches:
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        _run(ddp, batch, forward_only=False)
+        opt.step()
+
+
 def _megatron_moments(model, opt) -> dict:
     """{(key, global offsets, lengths): {state: tensor}} of this rank's parameters, from the
     DistributedOptimizer's own state (DP=1: each TP-local parameter whole), placed as Megatron's
@@ -208,11 +217,7 @@ def _megatron_to_hf(rank, world_size, root):
         with cuda_on_cpu():
             cfg, model = _gpt(tp, pp, tied, qkv_bias=case in QWEN2)
             ddp, opt = _distributed(cfg, model)
-            for i in range(2):
-                ddp.zero_grad_buffer()
-                opt.zero_grad()
-                _run(ddp, tokens(10 + i), forward_only=False)
-                opt.step()
+            _train(ddp, opt, [tokens(10), tokens(11)])
             logits = _run(ddp, tokens(99), forward_only=True)
             model_sd = model.sharded_state_dict()
             opt_sd = opt.sharded_state_dict(model_sd, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
@@ -316,10 +321,7 @@ def _hf_to_megatron(root: str) -> dict:
             logits = _run(ddp, tokens(99), forward_only=True)
             moments = _megatron_moments(model, opt)
             steps = sorted({float(s["step"]) for s in distopt.optimizer.state.values()})
-            ddp.zero_grad_buffer()  # one more step runs
-            opt.zero_grad()
-            _run(ddp, tokens(7), forward_only=False)
-            opt.step()
+            _train(ddp, opt, [tokens(7)])  # one more step runs
             after = sorted({float(s["step"]) for s in distopt.optimizer.state.values()})
         r = {"logits_diff": None, "steps": steps, "after": after}
         if logits is not None:

@@ -52,7 +52,7 @@ def _buckets_and_state(rank, world_size, root, release):
     warnings.filterwarnings("ignore")
     from megatron.core import dist_checkpointing as dc
 
-    from test_mapping_megatron import _distributed, _gpt, _run, tokens  # puts recipes/ on the path
+    from test_mapping_megatron import _distributed, _gpt, _train, tokens  # puts recipes/ on the path
 
     from _megatron_cpu import cuda_on_cpu
     from bcp_integrations.megatron import fully_reshardable_param_state, megatron_lm
@@ -62,11 +62,7 @@ def _buckets_and_state(rank, world_size, root, release):
     with cuda_on_cpu():
         cfg, model = _gpt(1, 2, tied=True, qkv_bias=True)
         ddp, opt = _distributed(cfg, model)
-        for i in range(2):
-            ddp.zero_grad_buffer()
-            opt.zero_grad()
-            _run(ddp, tokens(10 + i), forward_only=False)
-            opt.step()
+        _train(ddp, opt, [tokens(10), tokens(11)])
         distopt = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
         trained = _states(distopt, model)
         # the padding at the end of each bucket but the last (q/k/v biases make stage 0's first one 64 short)
@@ -96,8 +92,7 @@ def _buckets_and_state(rank, world_size, root, release):
         for name, path in paths.items():
             cfg2, model2 = _gpt(1, 2, tied=True, qkv_bias=True)
             ddp2, opt2 = _distributed(cfg2, model2)
-            _run(ddp2, tokens(3), forward_only=False)  # torch's Adam has no state to describe before a step
-            opt2.step()
+            _train(ddp2, opt2, [tokens(3)])  # torch's Adam has no state to describe before a step
             model_sd = model2.sharded_state_dict()
             request = {"model": model_sd,
                        "optimizer": opt2.sharded_state_dict(model_sd, is_loading=True, metadata=FULLY_RESHARDABLE)}

@@ -595,18 +595,13 @@ def test_direct_io_falls_back_to_buffered_writes(tmp_path, small_io, monkeypatch
         bst.configure_storage(direct_io=1)
 
 
-def test_direct_write_failing_in_flight_fails_the_file(tmp_path, small_io, monkeypatch):
-    """A full aligned buffer is written by the writer's own thread while the next one fills: a
-    device error there (ENOSPC) is raised by a later write or by close, the temporary file is
-    removed, and the aligned buffers go back to the pool."""
-    if not _direct_io_here(tmp_path):
-        pytest.skip(f"{tmp_path} has no O_DIRECT")
+def _pwrite_failing_at_the_second_call(monkeypatch) -> list[int]:
+    """The local writer's pwrite, failing with ENOSPC at its second call; the offsets it was called
+    with (clear it to start counting again)."""
     import errno
 
     from bcp_core.storage import local
-    st = bst.storage_for(str(tmp_path))
-    real_pwrite = os.pwrite
-    calls = []
+    real_pwrite, calls = os.pwrite, []
 
     def pwrite(fd, buf, pos):
         calls.append(pos)
@@ -614,6 +609,18 @@ def test_direct_write_failing_in_flight_fails_the_file(tmp_path, small_io, monke
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_pwrite(fd, buf, pos)
     monkeypatch.setattr(local.os, "pwrite", pwrite)
+    return calls
+
+
+def test_direct_write_failing_in_flight_fails_the_file(tmp_path, small_io, monkeypatch):
+    """A full aligned buffer is written by the writer's own thread while the next one fills: a
+    device error there (ENOSPC) is raised by a later write or by close, the temporary file is
+    removed, and the aligned buffers go back to the pool."""
+    if not _direct_io_here(tmp_path):
+        pytest.skip(f"{tmp_path} has no O_DIRECT")
+    from bcp_core.storage import local
+    st = bst.storage_for(str(tmp_path))
+    calls = _pwrite_failing_at_the_second_call(monkeypatch)
     for size in (4 * PART, 2 * PART + 7):  # the error met by a later write / only at close
         calls.clear()
         w = st.open_writer(f"f{size}")
@@ -635,20 +642,11 @@ def test_failed_direct_write_leaves_nothing_behind_when_the_buffer_pool_is_full(
     descriptors, ends the I/O thread and removes the temporary file."""
     if not _direct_io_here(tmp_path):
         pytest.skip(f"{tmp_path} has no O_DIRECT")
-    import errno
     import mmap
 
     from bcp_core.storage import local
     st = bst.storage_for(str(tmp_path))
-    real_pwrite = os.pwrite
-    calls = []
-
-    def pwrite(fd, buf, pos):
-        calls.append(pos)
-        if len(calls) == 2:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_pwrite(fd, buf, pos)
-    monkeypatch.setattr(local.os, "pwrite", pwrite)
+    _pwrite_failing_at_the_second_call(monkeypatch)
     w = st.open_writer("f")
     with pytest.raises(OSError, match="No space left"):  # the engine aborts with the error still alive
         for _ in range(3):
