@@ -59,7 +59,8 @@ from .save_planner import (Assignment, Committed, GatheredRequests, GlobalSavePl
                            UseCachedPlan, WriteReport, build_metadata, failed_report, global_save_plan,
                            local_save_plan, merge_plan_messages, plan_message, plan_replies, read_plan_messages)
 from .snapshot import ForkSnapshot, can_fork
-from .staging import LazyCopy, StagingPool, box_sources, contiguous_cpu, pool_key
+from .host_memory import ordered_after_callers
+from .staging import LazyCopy, StagingPool, box_sources, contiguous_cpu, on_host_or_cuda, pool_key
 from .storage import Storage, storage_for
 from .utils import cores_per_rank, digest, gc_paused, this_rank
 
@@ -673,7 +674,9 @@ def _write_items(plan: LocalSavePlan, assignment: Assignment, staged: list[torch
     for n, (ti, bi) in enumerate(assignment.boxes):
         fqn, lt = plan.tensors[ti]
         box = lt.boxes[bi]
-        data = staged[n] if staged is not None else contiguous_cpu(box.view)
+        # unstaged device tensors (a synchronous save) go to the writers as they are: they move
+        # through pinned chunks there (host_memory.Bounce)
+        data = staged[n] if staged is not None else on_host_or_cuda(box.view)
         items.append(WriteItem(f"{fqn}@{','.join(map(str, box.offsets))}", data,
                                TensorBoxKey(fqn, tuple(box.offsets), tuple(box.lengths))))
     for i in assignment.shards:
@@ -685,6 +688,7 @@ def _write_items(plan: LocalSavePlan, assignment: Assignment, staged: list[torch
     # piece in the metadata.
     for fqn, t in per_rank if per_rank is not None else plan.per_rank_tensors:
         items.append(WriteItem(f"{fqn}#r", contiguous_cpu(t), RankValueKey(fqn)))
+    ordered_after_callers(it.tensor for it in items)
     return items
 
 

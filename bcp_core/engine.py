@@ -24,6 +24,7 @@ import xxhash
 
 from . import codec, metrics
 from .errors import ChecksumError, KeyMismatchError, StorageError
+from .host_memory import bounce, ordered_after_callers
 from .load_planner import ReadItem
 from .metadata import CheckpointMetadata, check_metadata_size, num_blocks, parse_json
 from .storage import Storage
@@ -79,27 +80,29 @@ def checksum(data) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-def _write_hashed(writer, data: memoryview, block: int) -> tuple[tuple[int, ...], float]:
-    """Hash `data` (the checksum of each `block`) and write it, `writer.write_bytes` at a time, each
-    part hashed just before it is written (the writer then reads bytes still in the core's cache);
-    a writer that prefers large writes (`write_bytes` None) gets the whole piece, hashed first.
-    Returns the checksums and the seconds spent hashing."""
-    step = getattr(writer, "write_bytes", None) or max(len(data), 1)
+def _write_hashed(writer, chunks: Iterable[memoryview], block: int) -> tuple[tuple[int, ...], float]:
+    """Hash a piece (the checksum of each `block`) and write it: its bytes come in `chunks` (one for
+    a host tensor, several through a `Bounce` for a device tensor), handed to the writer
+    `writer.write_bytes` at a time, each part hashed just before it is written (the writer then
+    reads bytes still in the core's cache); a writer that prefers large writes (`write_bytes` None)
+    gets each chunk whole, hashed first. Returns the checksums and the seconds spent hashing."""
     sums, hashing = [], 0.0
     h, in_block = xxhash.xxh3_64(), 0  # streaming XXH3: a block's digest equals `checksum` of its bytes
-    for lo in range(0, len(data), step):
-        part = data[lo:lo + step]
-        t0 = time.perf_counter()
-        i = 0
-        while i < len(part):
-            take = min(block - in_block, len(part) - i)
-            h.update(part[i:i + take])
-            in_block, i = in_block + take, i + take
-            if in_block == block:
-                sums.append(h.intdigest())
-                h, in_block = xxhash.xxh3_64(), 0
-        hashing += time.perf_counter() - t0
-        writer.write(part)
+    for data in chunks:
+        step = getattr(writer, "write_bytes", None) or max(len(data), 1)
+        for lo in range(0, len(data), step):
+            part = data[lo:lo + step]
+            t0 = time.perf_counter()
+            i = 0
+            while i < len(part):
+                take = min(block - in_block, len(part) - i)
+                h.update(part[i:i + take])
+                in_block, i = in_block + take, i + take
+                if in_block == block:
+                    sums.append(h.intdigest())
+                    h, in_block = xxhash.xxh3_64(), 0
+            hashing += time.perf_counter() - t0
+            writer.write(part)
     if in_block or not sums:
         sums.append(h.intdigest())
     return tuple(sums), hashing
@@ -160,15 +163,19 @@ def write_items(storage: Storage, rank: int, items: list[WriteItem], num_files: 
                 pos = len(header)
                 for it in bins[k]:
                     with hold(it.tensor) as t:
-                        data = tensor_bytes(t)
+                        n = t.numel() * t.element_size()
                         t0 = time.time()
-                        sums, hashing = _write_hashed(writer, data, block)
+                        if t.device.type == "cpu":
+                            sums, hashing = _write_hashed(writer, (tensor_bytes(t),), block)
+                        else:  # a synchronous save of device state: through pinned chunks
+                            with bounce(t.device) as b:
+                                sums, hashing = _write_hashed(writer, b.download(t), block)
                         rec = metrics.current()
                         if rec is not None:  # hashing is spread over the write: its total, from the piece's start
-                            rec.add("write", t0, time.time(), len(data))
-                            rec.add("checksum", t0, t0 + hashing, len(data))
-                        placed.append((it, rel, pos, len(data), sums))
-                    pos += len(data)
+                            rec.add("write", t0, time.time(), n)
+                            rec.add("checksum", t0, t0 + hashing, n)
+                        placed.append((it, rel, pos, n, sums))
+                    pos += n
                 with metrics.phase("fsync"):  # close: flush, fsync and rename, or finish the upload
                     writer.close()
             except BaseException as e:
@@ -290,6 +297,9 @@ def copy_span(item: ReadItem, buf: torch.Tensor, span_lo: int) -> None:
             # One run of bytes: one memcpy, without the GIL. torch's copy loop took 12 % more CPU here
             # (bench/io_cpu.py), and from about 180 MiB on glibc's streaming stores take half as much.
             np.copyto(_flat(dest).view(torch.uint8).numpy(), np.frombuffer(tensor_bytes(src), np.uint8))
+        elif one_run and dest.device.type == "cuda":  # through pinned chunks: a pageable copy is synchronous and slow
+            with bounce(dest.device) as b:
+                b.upload(dest, tensor_bytes(src))
         else:
             dest.copy_(src)
 
@@ -389,6 +399,7 @@ def read_all(storage: Storage, files: tuple[str, ...], block: int, items: Iterab
     if not items:
         return
     maps = FileMaps(storage)
+    ordered_after_callers(it.dest for it in items)
     _run_each(lambda it: read_item(storage, files, block, it, verify, maps, skip), items, num_threads)
 
 

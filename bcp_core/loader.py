@@ -37,6 +37,7 @@ from .load_planner import LoadPlan, plan_load, set_target
 from .metadata import (CHECKSUM_BLOCK_BYTES, METADATA_FILE, CheckpointMetadata, TensorMeta, check_file_sizes,
                        read_metadata_file)
 from .shared_reads import LoadFailure, group_size, raise_failures, read_all_shared, worth_sharing
+from .host_memory import ordered_after_callers
 from .staging import finish_lazy_copies
 from .storage import Storage, storage_for
 from .utils import gc_paused, this_rank
@@ -85,6 +86,7 @@ def load_checkpoint(path: str | os.PathLike, state: dict, framework: str = "auto
         staging = LoadStaging(st, md.files, md.checksum_block_bytes, verify_checksums)
         plan, targets, values, result = _prepare(st, md, state, adapter, strict, process_group, allow_pickle,
                                                  verify_checksums, mapping)
+        ordered_after_callers(it.dest for it in plan.items)
         staging.stage_all(plan.items, num_threads)
         _check(targets)
     else:
@@ -101,6 +103,7 @@ def load_checkpoint(path: str | os.PathLike, state: dict, framework: str = "auto
                                                      verify_checksums, mapping)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others wait
             failure, plan, targets = e, LoadPlan(), LoadTargets()
+        ordered_after_callers(it.dest for it in plan.items)
         read_all_shared(staging, plan.items, num_threads, process_group, comm, op, timeout, failure,
                         check=lambda: _check(targets))
     _commit(staging, plan, targets, values, num_threads)

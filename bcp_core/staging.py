@@ -30,6 +30,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .errors import BCPError, CommTimeoutError, SaveError
+from .host_memory import host_buffer
 from .save_planner import LocalSavePlan
 from .utils import this_rank
 
@@ -126,14 +127,15 @@ def box_sources(plan: LocalSavePlan, boxes) -> list[torch.Tensor]:
     return [plan.tensors[ti][1].boxes[bi].view for ti, bi in boxes]
 
 
-def host_buffer(src: torch.Tensor) -> torch.Tensor:
-    pin = src.device.type == "cuda" and torch.cuda.is_available()
-    return torch.empty(tuple(src.shape), dtype=src.dtype, pin_memory=pin)
-
-
 def contiguous_cpu(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     return (t.to("cpu") if t.device.type != "cpu" else t).contiguous()
+
+
+def on_host_or_cuda(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a writer takes it: a CUDA tensor as it is (the writer moves it through pinned chunks),
+    anything else contiguous on the host."""
+    return t.detach() if t.device.type == "cuda" else contiguous_cpu(t)
 
 
 # ----------------------------------------------------------------------------- lazy snapshots

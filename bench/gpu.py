@@ -218,10 +218,30 @@ def floors(tr: Trainer, root: str) -> dict:
     os.remove(path)
     bw = {"d2h_gib_s": n / GIB / d2h, "h2d_gib_s": n / GIB / h2d, "disk_write_gib_s": n / GIB / min(writes),
           "disk_read_gib_s": n / GIB / rd, "direct_io": bool(direct)}
+    if cuda:
+        bw |= pinning(n)
     return bw | {"measured_gib": n / GIB, "d2h_state_s": state / GIB / bw["d2h_gib_s"],
                  "h2d_state_s": state / GIB / bw["h2d_gib_s"],
                  "disk_write_state_s": state / GIB / bw["disk_write_gib_s"],
                  "disk_read_state_s": state / GIB / bw["disk_read_gib_s"]}
+
+
+def pinning(n: int) -> dict:
+    """Pinned host memory allocated per second (requested bytes), in tensors of 86 MiB (not a
+    power of two, as most of a model's are): torch's allocator (`pin_memory=True`, what a first
+    save of DCP's stager allocates with) and bcp's staging buffers (bcp_core.host_memory)."""
+    from bcp_core.host_memory import pinned_empty
+    piece = 86 << 20
+    count = max(1, n // piece)
+    out = {}
+    for name, alloc in (("bcp", lambda: pinned_empty((piece,), torch.uint8)),
+                        ("torch", lambda: torch.empty(piece, dtype=torch.uint8, pin_memory=True))):
+        t = time.perf_counter()
+        held = [alloc() for _ in range(count)]
+        out[f"pin_alloc_{name}_gib_s"] = count * piece / GIB / (time.perf_counter() - t)
+        assert all(h.is_pinned() for h in held), f"{name}: a buffer is not pinned"
+        del held
+    return out
 
 
 def evict(path: str) -> None:

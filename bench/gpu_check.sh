@@ -14,7 +14,7 @@ set -uo pipefail
 WHEELS="megatron-core==0.16.1 tenacity==9.2.1"  # what bcp's tests need that the GPU machine's image lacks
 TOTAL_S=${BCP_GPU_CHECK_S:-480}   # everything, from the install to the summary
 TESTS_S=${BCP_GPU_TESTS_S:-240}   # the tests at most (0: no tests); the bench gets what is left
-BENCH_GIB=${BCP_GPU_GIB:-1,4,16}  # state sizes of the bench, smallest first
+BENCH_GIB=${BCP_GPU_GIB:-1,4,16}  # state sizes of the bench, smallest first (BCP_GPU_SYSTEMS: its systems, bcp,dcp)
 
 if [ "${1:-}" = --print-wheels ]; then
     echo "$WHEELS"
@@ -47,7 +47,7 @@ if [ "$mode" = gpu ]; then
         note "pip install -e . failed (env.txt); bcp is imported from the working tree (PYTHONPATH)"
     export BCP_REQUIRE_CUDA=1
     tests="cuda"  # the CPU twins ran where the suite runs
-    bench_args="--device cuda --gib $BENCH_GIB"
+    bench_args="--device cuda --gib $BENCH_GIB --systems ${BCP_GPU_SYSTEMS:-bcp,dcp}"
 else
     py=${PYTHON:-$repo/.venv/bin/python}
     [ -x "$py" ] || py=python3
@@ -126,7 +126,8 @@ for gib, size in table["sizes"].items():
               f"{secs(r['durable_s'])} s; ckpt step / normal {r['first_ckpt_step_over_normal']:.2f} first, "
               f"{r['later_ckpt_step_over_normal']:.2f} later; save {r['sync_save_gib_s']:.2f} GiB/s; load "
               f"{r['load_cold_gib_s']:.2f} cold, {r['load_warm_gib_s']:.2f} warm GiB/s; exact {r['loaded_exactly']}; "
-              f"pinned {r['pinned_peak_gib']:.2f} GiB" + (f"; errors {r['errors']}" if r.get("errors") else ""))
+              f"pinned {r['pinned_peak_gib']:.2f} GiB" + (f"; prepare {r['prepare_s']:.2f} s" if "prepare_s" in r else "")
+              + (f"; errors {r['errors']}" if r.get("errors") else ""))
     print("    floors GiB/s: " + ", ".join(f"{k} {v:.2f}" for k, v in size["floors"].items() if k.endswith("gib_s")))
     print("    ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in size["ratios"].items()))
 for s in table["skipped"]:

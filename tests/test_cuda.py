@@ -253,6 +253,58 @@ def test_staging_buffers_are_pinned_and_reused(device, tmp_path):
     assert not _differ(_checkpoint_tensors(str(tmp_path / "root")), want)
 
 
+# ----------------------------------------------------------------------------- chunked transfers
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bounce_moves_bytes_in_chunks_both_ways(device):
+    """host_memory.Bounce with 1 KiB chunks: a download yields every byte of a device tensor in
+    order (contiguous, a transposed view, one element, none), and an upload puts bytes back exactly,
+    for sizes that end mid-chunk; the chunks are pinned on CUDA."""
+    from bcp_core.host_memory import Bounce
+    b = Bounce(torch.device(device), chunk=1024)
+    assert all(buf.is_pinned() == (device == "cuda") for buf in b._bufs)
+    g = torch.Generator().manual_seed(0)
+    for shape, dtype in [((777,), torch.float32), ((33, 65), torch.bfloat16), ((1,), torch.int64), ((0,), torch.float32)]:
+        host = (torch.randn(shape, generator=g) * 100).to(dtype)
+        src = host.to(device)
+        for view, want in [(src, host), (src.t() if src.dim() == 2 else src, host.t().contiguous() if host.dim() == 2 else host)]:
+            got = b"".join(bytes(c) for c in b.download(view))
+            assert got == want.contiguous().view(torch.uint8).numpy().tobytes(), (shape, dtype)
+        dest = torch.full_like(src, 3)
+        b.upload(dest, memoryview(host.contiguous().view(torch.uint8).numpy()).cast("B") if host.numel() else memoryview(b""))
+        assert torch.equal(dest.cpu().view(torch.uint8), host.view(torch.uint8)), (shape, dtype)
+    with pytest.raises(ValueError, match="upload of 5 bytes into a tensor of 8 bytes"):
+        b.upload(torch.zeros(2, device=device), memoryview(b"12345"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_synchronous_save_and_load_of_device_state_across_chunks(device, tmp_path):
+    """A synchronous save of device tensors larger than a chunk (16 MiB), of odd sizes, one a
+    transposed view, then a load into device tensors: bit for bit, the destinations stay on the
+    device; values changed on the device just before the save call are the ones saved. On CUDA
+    the staging buffers of an async save are pinned at their exact size (not rounded up to a
+    power of two by torch's pinned allocator)."""
+    from bcp_core.host_memory import CHUNK_BYTES, host_buffer
+    g = torch.Generator().manual_seed(1)
+    n = CHUNK_BYTES // 4 * 2 + 12345  # fp32: two chunks and a bit
+    state = {"big": torch.randn(n, generator=g).to(device), "odd": torch.randn(1001, 37, generator=g).to(device),
+             "t": torch.randn(300, 700, generator=g).to(torch.bfloat16).to(device).t()}
+    state["big"].mul_(2).add_(1)  # queued on the device right before the call
+    want = {k: v.cpu().clone() for k, v in state.items()}
+    bcp.save(str(tmp_path / "ck"), state).wait()
+    dest = {k: torch.zeros_like(v) for k, v in state.items()}
+    bcp.load(str(tmp_path / "ck"), dest)
+    for k, v in dest.items():
+        assert v.device.type == device and torch.equal(v.cpu(), want[k]), k
+    if device == "cuda":
+        stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+        before = stats.get("allocated_bytes.current")
+        buf = host_buffer(torch.empty(86 << 18, device=device))  # 86 MiB of fp32
+        assert buf.is_pinned() and buf.untyped_storage().nbytes() == 86 << 20
+        after = torch.cuda.host_memory_stats().get("allocated_bytes.current") if before is not None else None
+        assert before is None or after - before < 86 << 20, "the buffer came from torch's rounding pinned allocator"
+
+
 # ----------------------------------------------------------------------------- resharding into the device
 
 W_SHAPE, B_SHAPE = (64, 48), (32, 40)
