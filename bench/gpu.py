@@ -38,7 +38,8 @@ Systems:
 
 Floors, each measured on up to 1 GiB and given as GiB/s and as the time the state's bytes would
 take: device-to-host copies into pinned memory (any snapshot's floor), host-to-device copies, and
-an fsync'd direct-I/O write and a direct-I/O read of the disk under `--dir`.
+an fsync'd direct-I/O write and a direct-I/O read of the disk under `--dir`; on CUDA also pinned
+host memory allocated per second, by bcp's staging and by torch's allocator (`pinning`).
 
 Prints one JSON table: per size, each system's figures, the floors and the ratios (bcp over DCP,
 and each over its floor), as bench/compare.py does. No assertion: this is a measurement.

@@ -127,7 +127,8 @@ for gib, size in table["sizes"].items():
               f"{r['later_ckpt_step_over_normal']:.2f} later; save {r['sync_save_gib_s']:.2f} GiB/s; load "
               f"{r['load_cold_gib_s']:.2f} cold, {r['load_warm_gib_s']:.2f} warm GiB/s; exact {r['loaded_exactly']}; "
               f"pinned {r['pinned_peak_gib']:.2f} GiB" + (f"; prepare {r['prepare_s']:.2f} s" if "prepare_s" in r else "")
-              + (f"; errors {r['errors']}" if r.get("errors") else ""))
+              + (f"; errors {r['errors']}" if r.get("errors") else "")
+              + (f"; saves of the loop that failed: {r['save_errors']}" if r.get("save_errors") else ""))
     print("    floors GiB/s: " + ", ".join(f"{k} {v:.2f}" for k, v in size["floors"].items() if k.endswith("gib_s")))
     print("    ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in size["ratios"].items()))
 for s in table["skipped"]:
