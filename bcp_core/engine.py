@@ -43,8 +43,9 @@ for _name, _code in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
 
 @dataclass
 class WriteItem:
-    """One piece to write: its header name, its bytes' tensor (CPU, contiguous) and its piece key
-    (a save_planner record saying what the bytes are; passed through to the report)."""
+    """One piece to write: its header name, its bytes' tensor (on the host and contiguous, or on a
+    CUDA device in a synchronous save) and its piece key (a save_planner record saying what the
+    bytes are; passed through to the report)."""
 
     name: str
     tensor: torch.Tensor
@@ -168,8 +169,8 @@ def write_items(storage: Storage, rank: int, items: list[WriteItem], num_files: 
                         if t.device.type == "cpu":
                             sums, hashing = _write_hashed(writer, (tensor_bytes(t),), block)
                         else:  # a synchronous save of device state: through pinned chunks
-                            with bounce(t.device) as b:
-                                sums, hashing = _write_hashed(writer, b.download(t), block)
+                            with bounce(t.device) as b, contextlib.closing(b.download(t)) as chunks:
+                                sums, hashing = _write_hashed(writer, chunks, block)
                         rec = metrics.current()
                         if rec is not None:  # hashing is spread over the write: its total, from the piece's start
                             rec.add("write", t0, time.time(), n)

@@ -2,8 +2,9 @@
 
 Pinned buffers. torch's pinned allocator rounds every request up to a power of two (a 86 MiB
 tensor pins 128 MiB) and faults the pages in on one thread inside `cudaHostAlloc`. `pinned_empty`
-takes the exact size from the ordinary allocator, faults it in with torch's parallel fill, then
-page-locks it with `cudaHostRegister`; where that fails it falls back to torch's allocator.
+maps the exact size, faults it in with torch's parallel fill, then page-locks it with
+`cudaHostRegister` (on a thread of its own, `_Pinner`); where that fails it falls back to torch's
+allocator.
 
 Chunked transfers. A synchronous save of device tensors and a load into them move their bytes
 through two pinned chunks per thread (`Bounce`): the device copy of one chunk runs while the host
@@ -14,11 +15,14 @@ copying whole tensors would hold the state twice in host memory.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import mmap
 import os
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -26,6 +30,8 @@ import torch
 # Bytes per chunk of a transfer through a `Bounce`; two per thread (16 MiB: the per-copy overhead
 # is ~1 % at 50 GiB/s, and a writer's hash and write of one chunk outlast the copy of the next).
 CHUNK_BYTES = 16 << 20
+
+log = logging.getLogger("bcp")
 
 
 def _cudart():
@@ -35,19 +41,75 @@ def _cudart():
         return None
 
 
-def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised host tensor, page-locked for asynchronous device copies, of exactly its size
-    (module doc); its pages are faulted in already."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    rt = _cudart() if nbytes >= 1 << 20 else None  # small ones: the caching allocator's waste is small
-    if rt is not None and hasattr(rt, "cudaHostRegister"):
-        # numpy owns the memory and the tensor keeps the array alive: the array's finalizer
-        # unregisters the range before its memory is freed, whichever tensor goes last
-        arr = np.empty(nbytes, np.uint8)
+class _Pinner:
+    """Registers and unregisters host memory with CUDA on a thread of its own ("bcp-pin").
+
+    On that thread each call first makes the tensor's device current (the current device is per
+    thread: elsewhere a call could create a context on GPU 0), and a failed registration leaves
+    its error (CUDA's per-thread last error) where no kernel is launched to report it later.
+    Unregistering is queued, never waited for (it runs from finalizers, on any thread); the queue
+    is in order, so it runs before a later registration that reuses the addresses."""
+
+    def __init__(self):
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="bcp-pin")
+            return self._pool
+
+    def register(self, ptr: int, nbytes: int, index: int) -> bool:
+        rt = _cudart()
+        if rt is None or not hasattr(rt, "cudaHostRegister"):
+            return False
+
+        def call() -> bool:
+            with torch.cuda.device(index):
+                return int(rt.cudaHostRegister(ptr, nbytes, 0)) == 0
+        try:
+            return self._executor().submit(call).result()
+        except Exception as e:  # noqa: BLE001 - torch's allocator pins instead
+            log.warning("bcp: registering %d bytes of host memory with CUDA device %d failed (%s: %s); "
+                        "using torch's pinned allocator", nbytes, index, type(e).__name__, e)
+            return False
+
+    def unregister(self, ptr: int, index: int, pid: int) -> None:
+        if os.getpid() != pid:  # a forked child: the registration is the parent's
+            return
+        rt = _cudart()
+
+        def call() -> None:
+            with torch.cuda.device(index):
+                rt.cudaHostUnregister(ptr)
+        try:
+            self._executor().submit(call)
+        except RuntimeError:  # the interpreter is shutting down: the process's end unpins
+            pass
+
+    def forget(self) -> None:
+        """In a forked child: no thread of the parent's runs here."""
+        self._pool, self._lock = None, threading.Lock()
+
+
+_PINNER = _Pinner()
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised host tensor, page-locked for asynchronous copies with CUDA `device`, of
+    exactly its size (module doc); its pages are faulted in already."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes >= 1 << 20:  # small ones: the caching allocator's rounding wastes little
+        # A shared anonymous map: page-aligned, and a fork shares its pinned pages instead of
+        # copying them into the child. numpy holds the map and the tensor holds the array; the
+        # array's finalizer queues the unregistering before the map goes, whichever view goes last.
+        arr = np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)
         base = torch.from_numpy(arr)
         base.zero_()  # fault every page in, on torch's intra-op threads
-        if int(rt.cudaHostRegister(arr.ctypes.data, nbytes, 0)) == 0:
-            weakref.finalize(arr, rt.cudaHostUnregister, arr.ctypes.data).atexit = False  # the process ends anyway
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if _PINNER.register(arr.ctypes.data, nbytes, index):
+            weakref.finalize(arr, _PINNER.unregister, arr.ctypes.data, index, os.getpid()).atexit = False
             return base.view(dtype).view(shape)
     return torch.empty(shape, dtype=dtype, pin_memory=True)
 
@@ -55,7 +117,7 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def host_buffer(src: torch.Tensor) -> torch.Tensor:
     """A host tensor shaped as `src`, to copy it into: pinned when `src` lives on a CUDA device."""
     if src.device.type == "cuda" and torch.cuda.is_available():
-        return pinned_empty(tuple(src.shape), src.dtype)
+        return pinned_empty(tuple(src.shape), src.dtype, src.device)
     return torch.empty(tuple(src.shape), dtype=src.dtype)
 
 
@@ -72,10 +134,11 @@ class Bounce:
     def __init__(self, device: torch.device, chunk: int = CHUNK_BYTES):
         self.device = device
         cuda = device.type == "cuda"
-        self._bufs = [pinned_empty((chunk,), torch.uint8) if cuda else torch.empty(chunk, dtype=torch.uint8)
+        self._bufs = [pinned_empty((chunk,), torch.uint8, device) if cuda else torch.empty(chunk, dtype=torch.uint8)
                       for _ in range(2)]
         self._stream = torch.cuda.Stream(device=device) if cuda else None
-        self._events: list = [None, None]  # the copy last queued on each chunk
+        self._events = [torch.cuda.Event() for _ in range(2)] if cuda else []
+        self._queued = [False, False]  # whether a copy of chunk k % 2 may still be in flight
 
     def _on_stream(self):
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
@@ -84,19 +147,19 @@ class Bounce:
         with torch.no_grad(), self._on_stream():
             fn()
             if self._stream is not None:
-                ev = torch.cuda.Event()
-                ev.record(self._stream)
-                self._events[k % 2] = ev
+                self._events[k % 2].record(self._stream)
+                self._queued[k % 2] = True
 
     def _wait(self, k: int) -> None:
-        ev, self._events[k % 2] = self._events[k % 2], None
-        if ev is not None:
-            ev.synchronize()
+        if self._queued[k % 2]:
+            self._events[k % 2].synchronize()
+            self._queued[k % 2] = False
 
     def download(self, src: torch.Tensor) -> Iterator[memoryview]:
         """The bytes of `src` (on the device), a chunk at a time; each chunk is valid until the next
         is asked for. The device work queued on the caller's stream before the save must be done
-        (a synchronous save synchronises first, `ordered_after_callers`)."""
+        (a synchronous save synchronises first, `ordered_after_callers`). Close the generator
+        (`contextlib.closing`) when giving up early: closing drains the copies in flight."""
         src = src.detach()
         if not src.is_contiguous():
             with self._on_stream():  # ordered before the chunks' copies on the same stream
@@ -159,11 +222,14 @@ class _Bounces:
         try:
             yield b
         finally:
+            b.drain()  # nothing of this use may land in the next one's chunks
             with self._lock:
                 self._free[device].append(b)
 
     def forget(self) -> None:
-        """In a forked child: the parent's buffers and streams are not the child's to use."""
+        """In a forked child: the parent's buffers and streams are not the child's to use. They stay
+        referenced, so that nothing of CUDA runs here to free them."""
+        self._orphans = getattr(self, "_orphans", []) + [self._free]
         self._lock = threading.Lock()
         self._free = {}
 
@@ -173,6 +239,7 @@ bounce = _BOUNCES.take
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_BOUNCES.forget)
+    os.register_at_fork(after_in_child=_PINNER.forget)
 
 
 def ordered_after_callers(tensors: Iterable[torch.Tensor]) -> None:

@@ -161,6 +161,9 @@ def _commit(staging: LoadStaging, plan: LoadPlan, targets: LoadTargets, values: 
             num_threads: int) -> None:
     """Every byte is read and verified (on every rank of a collective load): write the state."""
     finish_lazy_copies()  # an asynchronous save in flight takes its lazy snapshot before the state changes
+    # on CUDA that ordered the caller's streams after the snapshot's copies: the load's own copies
+    # (host_memory.Bounce, on streams of their own) wait for them here
+    ordered_after_callers(it.dest for it in plan.items)
     staging.commit(num_threads)
     for target, t in plan.late:
         set_target(target, t)

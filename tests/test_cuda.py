@@ -278,6 +278,121 @@ def test_bounce_moves_bytes_in_chunks_both_ways(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_bounce_given_up_mid_download_is_drained_before_reuse(device):
+    """A writer that fails after the first chunk leaves the download as the engine uses it
+    (`bounce()` and `closing`): the generator is closed, no copy of it is still in flight when
+    the bounce goes back to the pool, and the next user gets exact bytes."""
+    import contextlib
+
+    from bcp_core import host_memory
+    src = torch.arange(3 * (host_memory.CHUNK_BYTES // 4), dtype=torch.float32, device=device)
+    with pytest.raises(OSError, match="disk full"):
+        with host_memory.bounce(src.device) as b, contextlib.closing(b.download(src)) as chunks:
+            for _ in chunks:
+                raise OSError("disk full")
+    assert chunks.gi_frame is None, "the download was left suspended"
+    assert not any(b._queued), "a copy of the abandoned download was still in flight"
+    with host_memory.bounce(src.device) as again:
+        assert again is b
+        got = b"".join(bytes(c) for c in again.download(src))
+    assert got == src.cpu().numpy().tobytes()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_synchronous_save_of_device_state_failing_mid_tensor_commits_nothing(device, tmp_path, monkeypatch):
+    """The disk fails in the middle of a tensor larger than two chunks: the save raises naming the
+    file, no checkpoint is committed at the path, the previous one still loads exactly, and the
+    next save (the same bounces reused) loads bit for bit."""
+    from bcp_core.host_memory import CHUNK_BYTES
+    from bcp_core.storage import local
+    g = torch.Generator().manual_seed(5)
+    state = {"w": torch.randn(CHUNK_BYTES // 4 * 2 + 999, generator=g).to(device)}
+    root = str(tmp_path / "root")
+    bcp.save(root, state, step=1).wait()
+    first = state["w"].cpu().clone()
+    state["w"].mul_(3)
+    real, calls = local._pwrite_all, []
+
+    def failing(fd, data, offset):
+        calls.append(len(data))
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        return real(fd, data, offset)
+    monkeypatch.setattr(local, "_pwrite_all", failing)
+    with pytest.raises(bcp.BCPError, match=r"writing .*\.safetensors failed: .*No space left on device"):
+        bcp.save(root, state, step=2).wait()
+    monkeypatch.setattr(local, "_pwrite_all", real)
+    dest = {"w": torch.zeros_like(state["w"])}
+    bcp.load(root, dest)  # the newest committed: step 1
+    assert torch.equal(dest["w"].cpu(), first)
+    bcp.save(root, state, step=3).wait()
+    bcp.load(root, dest)
+    assert torch.equal(dest["w"].cpu(), state["w"].cpu())
+
+
+def test_pinned_buffers_register_on_their_device_on_one_thread_and_never_in_a_forked_child(monkeypatch):
+    """host_memory.pinned_empty with CUDA's registration calls recorded (no GPU here): the buffer is
+    page-aligned and exactly its size; registering and unregistering run on the "bcp-pin" thread
+    with the tensor's device current; the unregistering is queued once the last view is gone; a
+    forked child that drops the parent's buffers calls nothing; a registration that fails falls
+    back to torch's allocator."""
+    import contextlib
+    import gc
+    import threading
+
+    from bcp_core import host_memory
+    calls = []
+
+    class Runtime:
+        class cudaError:  # noqa: N801 - as torch's binding names it
+            success = 0
+
+        def cudaHostRegister(self, ptr, n, flags):  # noqa: N802
+            calls.append(("register", ptr, n, current[0], threading.current_thread().name))
+            return 0 if n != 3 << 20 else 1
+
+        def cudaHostUnregister(self, ptr):  # noqa: N802
+            calls.append(("unregister", ptr, current[0], threading.current_thread().name))
+
+    current = [0]
+
+    @contextlib.contextmanager
+    def device(index):
+        before, current[0] = current[0], index
+        yield
+        current[0] = before
+    monkeypatch.setattr(host_memory, "_cudart", lambda: Runtime())
+    monkeypatch.setattr(torch.cuda, "device", device)
+    t = host_memory.pinned_empty((5, 1 << 18), torch.float32, torch.device("cuda", 3))
+    assert t.shape == (5, 1 << 18) and t.untyped_storage().nbytes() == 5 << 20 and t.data_ptr() % 4096 == 0
+    (reg,) = calls
+    assert reg[1:4] == (t.data_ptr(), 5 << 20, 3) and reg[4].startswith("bcp-pin")
+    view = t[2:3]
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child drops the parent's buffer: nothing of CUDA may run here
+        del t, view
+        gc.collect()
+        host_memory._PINNER._executor().submit(lambda: None).result()  # anything queued has run
+        os.write(w, repr(calls).encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    os.close(w)
+    assert os.read(r, 1 << 16).decode() == repr(calls), "a forked child unregistered the parent's memory"
+    del t
+    gc.collect()
+    assert len(calls) == 1, "unregistered while a view was alive"
+    del view
+    gc.collect()
+    host_memory._PINNER._executor().submit(lambda: None).result()  # the queued unregistering ran
+    assert calls[1][:3] == ("unregister", reg[1], 3) and calls[1][3].startswith("bcp-pin")
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: "torch's pinned allocator" if pin_memory
+                        else real_empty(*a, **k))
+    assert host_memory.pinned_empty((3 << 20,), torch.uint8, torch.device("cuda", 0)) == "torch's pinned allocator"
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_synchronous_save_and_load_of_device_state_across_chunks(device, tmp_path):
     """A synchronous save of device tensors larger than a chunk (16 MiB), of odd sizes, one a
     transposed view, then a load into device tensors: bit for bit, the destinations stay on the
