@@ -174,8 +174,8 @@ def test_model_and_optimizer_state_round_trip(device, dtype, mode, tmp_path):
 @pytest.mark.parametrize("device", DEVICES)
 def test_lazy_snapshot_holds_the_values_of_the_call(device, tmp_path):
     """An asynchronous save with CUDA parameters and optimizer state, then at once an optimizer
-    step (the step pre-hook), and for a second save an in-place edit inside `bcp.mutating()`:
-    each checkpoint holds the values of its call.
+    step (the step pre-hook), for a second save an in-place edit inside `bcp.mutating()`, and for
+    a third a load into the same state: each checkpoint holds the values of its call.
 
     On CUDA the race is forced: before each call ~0.1 s of GPU work is queued on the training
     stream, so the save's side-stream copies (which wait for it) have not run yet when every copy
@@ -189,7 +189,7 @@ def test_lazy_snapshot_holds_the_values_of_the_call(device, tmp_path):
     _train(model, opt, 2, seed=1)
     role = f"lazy-{device}"
 
-    for k, change in enumerate(("step", "mutating")):
+    for k, change in enumerate(("step", "mutating", "load")):
         want = _state_tensors(model, opt)
         _busy(device)
         handle = bcp.save(str(tmp_path / f"ckpt{k}"), {"model": model, "optimizer": opt}, async_save=True, role=role)
@@ -200,10 +200,12 @@ def test_lazy_snapshot_holds_the_values_of_the_call(device, tmp_path):
             assert lazy._done.wait(10)  # every copy queued (none run yet: the GPU is still busy)
         if change == "step":
             _train(model, opt, 1, seed=10 + k)
-        else:
+        elif change == "mutating":
             with bcp.mutating(), torch.no_grad():
                 for p in model.parameters():
                     p.mul_(-2.0)
+        else:  # a load into the state being saved: its copies (on streams of their own) wait for the snapshot's
+            bcp.load(str(tmp_path / "ckpt0"), {"model": model, "optimizer": opt})
         handle.wait()
         assert _differ(_state_tensors(model, opt), want), "the state did not change after the call"
         assert not _differ(_checkpoint_tensors(str(tmp_path / f"ckpt{k}")), want)
