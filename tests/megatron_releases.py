@@ -22,6 +22,9 @@ RELEASES = ("0.16.1", "0.17.1", "0.19.0")
 # the default tier runs the installed wheel and the newest tree; the release between them, whose
 # interfaces are 0.16's on one side of each change and 0.19's on the other, runs in the slow tier
 SLOW = ("0.17.1",)
+# the tests that launch a whole Megatron-LM job per release run the newest in the default tier
+# (each launch takes 10-40 s; the default tier must stay under 6 minutes), every one in the slow tier
+NEWEST_ONLY = tuple(r for r in RELEASES if r != RELEASES[-1])
 ENV_VAR = "BCP_MEGATRON_LM"
 PY311 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_py311")
 
@@ -54,11 +57,12 @@ def skip_reason(release: str, need_tree: bool = False) -> str | None:
     return None
 
 
-def params(need_tree: bool = False, releases=RELEASES) -> list:
-    """pytest params, one per release, skipped where the release is absent; SLOW's marked slow."""
+def params(need_tree: bool = False, releases=RELEASES, slow=SLOW) -> list:
+    """pytest params, one per release, skipped where the release is absent; those in `slow` marked
+    slow (SLOW, or NEWEST_ONLY for a test launching whole jobs)."""
     return [pytest.param(r, id=f"mcore{r}", marks=[
         pytest.mark.skipif(skip_reason(r, need_tree) is not None, reason=skip_reason(r, need_tree) or ""),
-        *([pytest.mark.slow] if r in SLOW else [])]) for r in releases]
+        *([pytest.mark.slow] if r in slow else [])]) for r in releases]
 
 
 def pythonpath(release: str, need_tree: bool = False) -> list[str]:

@@ -753,6 +753,7 @@ def test_megatron_checkpoint_into_hf_llama_on_the_device_in_bf16(megatron_run):
 
 # ----------------------------------------------------------------------------- the GPU bench and its script
 
+@pytest.mark.slow  # 10-15 s; the GPU check runs the bench itself
 def test_gpu_bench_smoke_runs_on_cpu(tmp_path):
     """bench/gpu.py --device cpu with a tiny state: every figure and ratio is there and finite (no
     timing is asserted: this checks the bench's plumbing, bcp's and DCP's paths through it)."""
