@@ -20,7 +20,7 @@ that same model:
 - a synchronous save of the state (GiB/s), then loads of it in place, cold (its files dropped from
   the page cache) and warm, each checked bit for bit against the state saved (`loaded_exactly`);
 - peak pinned host memory: the bytes of the system's own pinned staging copies (bcp: its staging
-  pool; DCP: its stager's cached copies).
+  pool and the chunks it keeps for synchronous transfers; DCP: its stager's cached copies).
 
 Systems:
 
@@ -314,10 +314,14 @@ class Bcp:
     before_optimizer = None  # bcp's own step pre-hook holds the step until the copies are made
 
     def pinned_bytes(self) -> int:
+        """The staging pool's pinned buffers and the chunks kept for synchronous transfers."""
+        from bcp_core import host_memory
         from bcp_core.checkpointer import get_checkpointer
         pool = get_checkpointer(self.role)._pool
         slots = [s for s in pool._slots if s] + ([s for s in pool._old[1] if s] if pool._old else [])
-        return sum(b.nbytes for slot in slots for b in slot if b.is_pinned())
+        chunks = [c for free in host_memory._BOUNCES._free.values() for b in free for c in b._bufs]
+        return sum(b.nbytes for slot in slots for b in slot if b.is_pinned()) + \
+            sum(c.nbytes for c in chunks if c.is_pinned())
 
     def save_sync(self, path: str) -> None:
         self.bcp.save(path, self.state, role=self.role).wait()
