@@ -22,8 +22,8 @@ RELEASES = ("0.16.1", "0.17.1", "0.19.0")
 # the default tier runs the installed wheel and the newest tree; the release between them, whose
 # interfaces are 0.16's on one side of each change and 0.19's on the other, runs in the slow tier
 SLOW = ("0.17.1",)
-# the tests that launch a whole Megatron-LM job per release run the newest in the default tier
-# (each launch takes 10-40 s; the default tier must stay under 6 minutes), every one in the slow tier
+# tests that launch Megatron-LM per release run the newest in the default tier (a launch takes
+# 10-40 s; the default tier must stay under 6 minutes), every release in the slow tier
 NEWEST_ONLY = tuple(r for r in RELEASES if r != RELEASES[-1])
 ENV_VAR = "BCP_MEGATRON_LM"
 PY311 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_py311")
