@@ -24,7 +24,7 @@ import xxhash
 
 from . import codec, metrics
 from .errors import ChecksumError, KeyMismatchError, StorageError
-from .host_memory import bounce, ordered_after_callers
+from .host_memory import bounce, byte_view, ordered_after_callers
 from .load_planner import ReadItem
 from .metadata import CheckpointMetadata, check_metadata_size, num_blocks, parse_json
 from .storage import Storage
@@ -64,16 +64,10 @@ class WrittenPiece:
     checksums: tuple[int, ...]
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """`t` as one dimension: a view of stride 1 if `t` is contiguous. A tensor of one element or
-    none counts as contiguous whatever its strides, and reshape keeps them; a byte view needs 1."""
-    return t.reshape(-1) if t.numel() > 1 else t.as_strided((t.numel(),), (1,))
-
-
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(_flat(t).view(torch.uint8).numpy()).cast("B")
+    return memoryview(byte_view(t).numpy()).cast("B")
 
 
 def checksum(data) -> int:
@@ -297,7 +291,7 @@ def copy_span(item: ReadItem, buf: torch.Tensor, span_lo: int) -> None:
         if one_run and dest.device.type == "cpu":
             # One run of bytes: one memcpy, without the GIL. torch's copy loop took 12 % more CPU here
             # (bench/io_cpu.py), and from about 180 MiB on glibc's streaming stores take half as much.
-            np.copyto(_flat(dest).view(torch.uint8).numpy(), np.frombuffer(tensor_bytes(src), np.uint8))
+            np.copyto(byte_view(dest).numpy(), np.frombuffer(tensor_bytes(src), np.uint8))
         elif one_run and dest.device.type == "cuda":  # through pinned chunks: a pageable copy is synchronous and slow
             with bounce(dest.device) as b:
                 b.upload(dest, tensor_bytes(src))

@@ -121,8 +121,9 @@ def host_buffer(src: torch.Tensor) -> torch.Tensor:
     return torch.empty(tuple(src.shape), dtype=src.dtype)
 
 
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as a 1-D uint8 tensor (of stride 1 even for one element)."""
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a 1-D uint8 tensor. A tensor of one element or none counts as
+    contiguous whatever its strides, and reshape keeps them; a byte view needs stride 1."""
     flat = t.reshape(-1) if t.numel() > 1 else t.as_strided((t.numel(),), (1,))
     return flat.view(torch.uint8)
 
@@ -164,7 +165,7 @@ class Bounce:
         if not src.is_contiguous():
             with self._on_stream():  # ordered before the chunks' copies on the same stream
                 src = src.contiguous()
-        flat = _flat_bytes(src)
+        flat = byte_view(src)
         n, chunk = flat.numel(), self._bufs[0].numel()
         spans = [(lo, min(lo + chunk, n)) for lo in range(0, n, chunk)]
 
@@ -185,7 +186,7 @@ class Bounce:
     def upload(self, dest: torch.Tensor, data: memoryview) -> None:
         """Copy the bytes `data` into contiguous `dest` (on the device); every byte has landed when
         this returns."""
-        flat = _flat_bytes(dest.detach())
+        flat = byte_view(dest.detach())
         n, chunk = flat.numel(), self._bufs[0].numel()
         if len(data) != n:
             raise ValueError(f"upload of {len(data)} bytes into a tensor of {n} bytes")

@@ -310,7 +310,7 @@ def test_a_synchronous_save_of_device_state_failing_mid_tensor_commits_nothing(d
     g = torch.Generator().manual_seed(5)
     state = {"w": torch.randn(CHUNK_BYTES // 4 * 2 + 999, generator=g).to(device)}
     root = str(tmp_path / "root")
-    bcp.save(root, state, step=1).wait()
+    bcp.save(root, state, step=1)
     first = state["w"].cpu().clone()
     state["w"].mul_(3)
     real, calls = local._pwrite_all, []
@@ -322,12 +322,12 @@ def test_a_synchronous_save_of_device_state_failing_mid_tensor_commits_nothing(d
         return real(fd, data, offset)
     monkeypatch.setattr(local, "_pwrite_all", failing)
     with pytest.raises(bcp.BCPError, match=r"writing .*\.safetensors failed: .*No space left on device"):
-        bcp.save(root, state, step=2).wait()
+        bcp.save(root, state, step=2)  # a synchronous save raises at the call
     monkeypatch.setattr(local, "_pwrite_all", real)
     dest = {"w": torch.zeros_like(state["w"])}
     bcp.load(root, dest)  # the newest committed: step 1
     assert torch.equal(dest["w"].cpu(), first)
-    bcp.save(root, state, step=3).wait()
+    bcp.save(root, state, step=3)
     bcp.load(root, dest)
     assert torch.equal(dest["w"].cpu(), state["w"].cpu())
 
@@ -408,7 +408,7 @@ def test_synchronous_save_and_load_of_device_state_across_chunks(device, tmp_pat
              "t": torch.randn(300, 700, generator=g).to(torch.bfloat16).to(device).t()}
     state["big"].mul_(2).add_(1)  # queued on the device right before the call
     want = {k: v.cpu().clone() for k, v in state.items()}
-    bcp.save(str(tmp_path / "ck"), state).wait()
+    bcp.save(str(tmp_path / "ck"), state)
     dest = {k: torch.zeros_like(v) for k, v in state.items()}
     bcp.load(str(tmp_path / "ck"), dest)
     for k, v in dest.items():
