@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
 import time
 import traceback
@@ -37,7 +38,9 @@ def _worker(rank, world_size, port, fn, args, queue, env, cwd):
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=120))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=120))
-        result = fn(rank, world_size, *args)
+        # pickled here, by value: the queue's own pickler would pass a tensor's storage as a file
+        # descriptor that the parent can fetch only while this process lives, and it is about to end
+        result = pickle.dumps(fn(rank, world_size, *args))
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - reported to the parent
         queue.put((rank, "error", traceback.format_exc()))
@@ -113,7 +116,7 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 180.0) -> list:
     errors = [f"--- rank {r} ---\n{v}" for r, (s, v) in sorted(results.items()) if s == "error"]
     if errors:
         raise AssertionError("\n".join(errors))
-    return [results[r][1] for r in range(world_size)]
+    return [pickle.loads(results[r][1]) for r in range(world_size)]
 
 
 def _stacks(procs, port: int, ranks: list[int]) -> str:
