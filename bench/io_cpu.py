@@ -20,7 +20,7 @@ processes:
   the rank. Run it with PYTHONPATH naming another bcp checkout to compare two versions.
 - load: `--load-gib` of Shard(0) DTensors over the ranks, saved once, then loaded `--repeat` times
   into the same layout with the files in the page cache, alternated with the floor: a `preadv` of
-  the same data files' bytes into preallocated tensors (one kernel copy, nothing verified). A load
+  the same data files' bytes into the same destination tensors (one kernel copy, nothing verified). A load
   that verifies before it writes reads the bytes twice: it hashes them, then copies them into place,
   so its bound is the floor plus XXH3 of the bytes out of a memory map, measured alone (`hash`); a
   copy out of the map by the CPU (`map_copy`, one numpy memcpy per piece) is measured too, for
@@ -230,12 +230,19 @@ def _load_vs_floor(root: str, a: dict) -> dict:
         t.to_local().zero_()
     ckpt = os.path.join(path, sorted(d for d in os.listdir(path) if d.startswith("step"))[-1])
     md = md_mod.CheckpointMetadata.loads(open(os.path.join(ckpt, md_mod.METADATA_FILE), "rb").read())
-    # this rank's pieces: (file, offset, nbytes) -> a preallocated destination of that size
-    mine = [(md.files[p.file], p.byte_offset, p.nbytes) for tm in md.tensors.values() for p in tm.pieces
-            if f"r{rank}_" in md.files[p.file]]
-    dests = [torch.empty(n, dtype=torch.uint8) for _, _, n in mine]
-    for d in dests:
-        d.fill_(1)
+    # this rank's pieces: (file, offset, nbytes), each read by the floor into the very tensor bcp
+    # loads it into (the target's local shard, as bytes). The same destination memory matters: on
+    # this VM a copy into one set of tensors ran 1.2-1.4x as long as into another of the same size,
+    # for the kernel's copy and numpy's alike (physical placement), so a floor writing elsewhere
+    # would not be the floor of this load.
+    mine, dests = [], []
+    for fqn, tm in md.tensors.items():
+        for p in tm.pieces:
+            if f"r{rank}_" in md.files[p.file]:
+                dest = target[fqn].to_local().reshape(-1).view(torch.uint8)
+                assert dest.numel() == p.nbytes, (fqn, dest.numel(), p.nbytes)
+                mine.append((md.files[p.file], p.byte_offset, p.nbytes))
+                dests.append(dest)
     nbytes = sum(n for _, _, n in mine)
 
     def floor():
@@ -290,6 +297,9 @@ def _load_vs_floor(root: str, a: dict) -> dict:
         phases.append({r["phase"]: round(r["busy"], 4) for r in res.metrics})
         rows["hash"].append(timed(hash_only)[:2])
         rows["map_copy"].append(timed(map_copy)[:2])
+    for t in target.values():  # the floor writes the same bytes: bcp's load is checked on its own
+        t.to_local().zero_()
+    bcp.load(path, target)
     assert all(torch.equal(s.to_local(), t.to_local()) for s, t in zip(state.values(), target.values()))
     best = {k: min(v) for k, v in rows.items()}
     return {"bytes_per_rank_gib": nbytes / GIB,
