@@ -1,7 +1,7 @@
 """Where a save's background CPU time goes, per GiB, and a warm load against its floor, one run.
 
     python bench/io_cpu.py [--ranks 2] [--tf-layers 4] [--d-model 1024] [--load-gib 2] [--repeat 3]
-                           [--only save|load] [--dir DIR]
+                           [--train-steps 0] [--only save|load] [--dir DIR]
 
 On a machine whose cores all train (2 ranks on 2 cores), every CPU second an asynchronous save
 spends in the background is taken from training. Two measurements, each on `--ranks` fresh gloo
@@ -10,7 +10,10 @@ processes:
 - save: the state of bench/train_loop.py's `ddp-transformer` loop (DDP over `--tf-layers`
   `nn.TransformerEncoderLayer` of d=`--d-model`, AdamW with its moments), saved asynchronously
   (`snapshot="lazy"`, the default) `--repeat` times while the caller only waits (the first save
-  plans; later ones reuse the plan). The CPU time of the whole process over each save (user and
+  plans; later ones reuse the plan), or, with `--train-steps N`, while each rank runs N steps of
+  that loop (forward, backward, optimizer step) before it waits: the save's CPU beside training,
+  with the steps' own CPU left out (the training thread's, and that of the other threads in as
+  many steps without a save, measured just before: gloo's all-reduce). The CPU time of the whole process over each save (user and
   kernel, `getrusage`) is split, per thread that did the work (`RUSAGE_THREAD` around the hot
   functions; a probed call inside another counts in its own category only), into hashing (with
   bcp's hashing fused into the writes: the first read of the bytes from memory and handing them to
@@ -45,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 
 import numpy as np
 import torch
@@ -144,41 +148,63 @@ def _transformer(d_model: int, layers: int):
                                                        batch_first=True) for _ in range(layers)])
     ddp = DDP(model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randn(2, 16, d_model)
-    for _ in range(2):  # optimizer state exists
+    x = torch.randn(4, 64, d_model)  # train_loop.py's ddp-transformer batch
+
+    def step():
         ddp(x).square().mean().backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
-    return model, optim
+    for _ in range(2):  # optimizer state exists
+        step()
+    return model, optim, types.SimpleNamespace(step=step)
 
 
 def _save_cpu(root: str, a: dict) -> dict:
     import bcp_core as bcp
-    model, optim = _transformer(a["d_model"], a["tf_layers"])
+    model, optim, training = _transformer(a["d_model"], a["tf_layers"])
     state = {"model": model, "optimizer": optim}
     probe = _probes()
+    # beside training: the training steps' own CPU is a category of its own, left out of the save's
+    # (a save's work on the training thread, the optimizer step's wait for it, stays the save's)
+    probe.wrap(training, "step", "training")
     path = os.path.join(root, "save_cpu")
     runs = []
     try:
         for k in range(a["repeat"]):
             os.sync()
+            # the same steps without a save: what training's other threads (gloo's all-reduce) take
+            dist.barrier()
+            probe.reset()
+            b0 = resource.getrusage(resource.RUSAGE_SELF)
+            for _ in range(a["train_steps"]):
+                training.step()
+            b1 = resource.getrusage(resource.RUSAGE_SELF)
+            base_user = b1.ru_utime - b0.ru_utime - probe.user.get("training", 0.0)
+            base_sys = b1.ru_stime - b0.ru_stime - probe.sys.get("training", 0.0)
             dist.barrier()
             probe.reset()
             r0 = resource.getrusage(resource.RUSAGE_SELF)
             t0 = time.perf_counter()
             handle = bcp.save(path, state, step=k, async_save=True, keep=2)
             call = time.perf_counter() - t0
+            for _ in range(a["train_steps"]):  # the same number on every rank: DDP's all-reduce
+                training.step()
             handle.wait()
             wall = time.perf_counter() - t0
             r1 = resource.getrusage(resource.RUSAGE_SELF)
             written = sum(r["bytes"] for r in _save_records(path, k, dist.get_rank()) if r["phase"] == "write")
             user, system = r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime
+            trained_user, trained_sys = probe.user.pop("training", 0.0), probe.sys.pop("training", 0.0)
+            if a["train_steps"]:  # training's other threads: as much as in the steps without a save
+                trained_user, trained_sys = trained_user + base_user, trained_sys + base_sys
+            trained = trained_user + trained_sys
+            user, system = user - trained_user, system - trained_sys
             parts = {c: probe.user.get(c, 0.0) + probe.sys.get(c, 0.0) for c in sorted(probe.user)}
             parts["other_user"] = user - sum(probe.user.values())
             parts["other_sys"] = system - sum(probe.sys.values())
             gib = max(written, 1) / GIB
             runs.append({"written_gib": gib, "wall_s": wall, "call_s": call, "cpu_s": user + system,
-                         "user_s": user, "sys_s": system,
+                         "user_s": user, "sys_s": system, "training_cpu_s": trained,
                          "cpu_s_per_gib": (user + system) / gib,
                          "per_gib": {c: v / gib for c, v in parts.items()},
                          "sys_in": {c: probe.sys.get(c, 0.0) / gib for c in sorted(probe.sys)}})
@@ -323,6 +349,8 @@ def main() -> int:
     ap.add_argument("--tf-layers", type=int, default=4)
     ap.add_argument("--load-gib", type=float, default=2.0, help="load: GiB over all ranks")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--train-steps", type=int, default=0,
+                    help="save: training steps each rank runs beside each save (0: the ranks only wait)")
     ap.add_argument("--only", choices=("save", "load"), default=None)
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir, removed after)")
     args = ap.parse_args()
