@@ -13,22 +13,24 @@ processes:
   plans; later ones reuse the plan), or, with `--train-steps N`, while each rank runs N steps of
   that loop (forward, backward, optimizer step) before it waits: the save's CPU beside training,
   with the steps' own CPU left out (the training thread's, and that of the other threads in as
-  many steps without a save, measured just before: gloo's all-reduce). The CPU time of the whole process over each save (user and
-  kernel, `getrusage`) is split, per thread that did the work (`RUSAGE_THREAD` around the hot
-  functions; a probed call inside another counts in its own category only), into hashing (with
-  bcp's hashing fused into the writes: the first read of the bytes from memory and handing them to
-  the writer), the lazy snapshot's copies, copying into the aligned write buffers, the write
-  syscalls, closing the files (fsync), the save call, the plan round, the commit round (metadata,
-  directory syncs, pruning) and the rest (threads, headers, metrics): seconds per GiB written by
-  the rank. Run it with PYTHONPATH naming another bcp checkout to compare two versions.
+  many steps without a save, measured just before: gloo's all-reduce). The CPU time of the whole
+  process over each save (user and kernel, `getrusage`) is split, per thread that did the work
+  (`RUSAGE_THREAD` around the hot functions; a probed call inside another counts in its own
+  category only), into hashing (with bcp's hashing fused into the writes: the first read of the
+  bytes from memory and handing them to the writer), the lazy snapshot's copies, copying into the
+  aligned write buffers, the write syscalls, closing the files (fsync), the save call, the plan
+  round, the commit round (metadata, directory syncs, pruning) and the rest (threads, headers,
+  metrics): seconds per GiB written by the rank. Run it with PYTHONPATH naming another bcp
+  checkout to compare two versions.
 - load: `--load-gib` of Shard(0) DTensors over the ranks, saved once, then loaded `--repeat` times
   into the same layout with the files in the page cache, alternated with the floor: a `preadv` of
-  the same data files' bytes into the same destination tensors (one kernel copy, nothing verified). A load
-  that verifies before it writes reads the bytes twice: it hashes them, then copies them into place,
-  so its bound is the floor plus XXH3 of the bytes out of a memory map, measured alone (`hash`); a
-  copy out of the map by the CPU (`map_copy`, one numpy memcpy per piece) is measured too, for
-  comparison with the floor's kernel copy. Best of `--repeat`, ratios to the floor, the load's phases
-  (busy seconds of its metadata, read, checksum and copy records) and its CPU time.
+  the same data files' bytes into the same destination tensors (one kernel copy, nothing
+  verified). A load that verifies before it writes reads the bytes twice: it hashes them, then
+  copies them into place, so its bound is the floor plus XXH3 of the bytes out of a memory map,
+  measured alone (`hash`); a copy out of the map by the CPU (`map_copy`, one numpy memcpy per
+  piece) is measured too, for comparison with the floor's kernel copy. Best of `--repeat`, ratios
+  to the floor, the load's phases (busy seconds of its metadata, read, checksum and copy records)
+  and its CPU time.
 
 Prints JSON with the load average before and after (`/proc/loadavg`: the machine is shared, so
 compare figures within one run). No assertion: this is a measurement.
