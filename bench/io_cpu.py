@@ -174,15 +174,16 @@ def _save_cpu(root: str, a: dict) -> dict:
     try:
         for k in range(a["repeat"]):
             os.sync()
-            # the same steps without a save: what training's other threads (gloo's all-reduce) take
-            dist.barrier()
-            probe.reset()
-            b0 = resource.getrusage(resource.RUSAGE_SELF)
-            for _ in range(a["train_steps"]):
-                training.step()
-            b1 = resource.getrusage(resource.RUSAGE_SELF)
-            base_user = b1.ru_utime - b0.ru_utime - probe.user.get("training", 0.0)
-            base_sys = b1.ru_stime - b0.ru_stime - probe.sys.get("training", 0.0)
+            base_user = base_sys = 0.0
+            if a["train_steps"]:  # the same steps without a save: training's other threads (gloo's all-reduce)
+                dist.barrier()
+                probe.reset()
+                b0 = resource.getrusage(resource.RUSAGE_SELF)
+                for _ in range(a["train_steps"]):
+                    training.step()
+                b1 = resource.getrusage(resource.RUSAGE_SELF)
+                base_user = b1.ru_utime - b0.ru_utime - probe.user.get("training", 0.0)
+                base_sys = b1.ru_stime - b0.ru_stime - probe.sys.get("training", 0.0)
             dist.barrier()
             probe.reset()
             r0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -196,9 +197,9 @@ def _save_cpu(root: str, a: dict) -> dict:
             r1 = resource.getrusage(resource.RUSAGE_SELF)
             written = sum(r["bytes"] for r in _save_records(path, k, dist.get_rank()) if r["phase"] == "write")
             user, system = r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime
-            trained_user, trained_sys = probe.user.pop("training", 0.0), probe.sys.pop("training", 0.0)
-            if a["train_steps"]:  # training's other threads: as much as in the steps without a save
-                trained_user, trained_sys = trained_user + base_user, trained_sys + base_sys
+            # the training thread's steps, and training's other threads as much as without a save
+            trained_user = probe.user.pop("training", 0.0) + base_user
+            trained_sys = probe.sys.pop("training", 0.0) + base_sys
             trained = trained_user + trained_sys
             user, system = user - trained_user, system - trained_sys
             parts = {c: probe.user.get(c, 0.0) + probe.sys.get(c, 0.0) for c in sorted(probe.user)}

@@ -24,7 +24,7 @@ RELEASES = ("0.16.1", "0.17.1", "0.19.0")
 SLOW = ("0.17.1",)
 # tests that launch Megatron-LM per release run the newest in the default tier (a launch takes
 # 10-40 s; the default tier must stay under 6 minutes), every release in the slow tier
-NEWEST_ONLY = tuple(r for r in RELEASES if r != RELEASES[-1])
+ALL_BUT_NEWEST = tuple(r for r in RELEASES if r != RELEASES[-1])
 ENV_VAR = "BCP_MEGATRON_LM"
 PY311 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_py311")
 
@@ -59,7 +59,7 @@ def skip_reason(release: str, need_tree: bool = False) -> str | None:
 
 def params(need_tree: bool = False, releases=RELEASES, slow=SLOW) -> list:
     """pytest params, one per release, skipped where the release is absent; those in `slow` marked
-    slow (SLOW, or NEWEST_ONLY for a test launching whole jobs)."""
+    slow (SLOW, or ALL_BUT_NEWEST for a test launching whole jobs)."""
     return [pytest.param(r, id=f"mcore{r}", marks=[
         pytest.mark.skipif(skip_reason(r, need_tree) is not None, reason=skip_reason(r, need_tree) or ""),
         *([pytest.mark.slow] if r in slow else [])]) for r in releases]

@@ -569,7 +569,7 @@ print(args.ckpt_format, bcp_selected(), [type(s).__name__ for s in routed])
 """
 
 
-@pytest.mark.parametrize("release", megatron_releases.params(need_tree=True, slow=megatron_releases.NEWEST_ONLY))
+@pytest.mark.parametrize("release", megatron_releases.params(need_tree=True, slow=megatron_releases.ALL_BUT_NEWEST))
 def test_enable_megatron_lm_makes_every_save_of_the_run_bcp(release):
     """Megatron-LM's own argument parser (each release) takes --ckpt-format bcp, and every save
     strategy Megatron-LM builds (looked up, constructed, wrapped) is routed to bcp; without the flag,

@@ -43,6 +43,9 @@ import torch  # noqa: E402
 
 from dist import Job  # noqa: E402
 
+# every test here launches whole Megatron-LM jobs (30-45 s a case): the slow tier runs them all, on
+# every release (the default tier must stay under 6 minutes; CI runs both tiers)
+pytestmark = pytest.mark.slow
 RELEASES = megatron_releases.params(need_tree=True)
 FORMATS = ("torch_dist", "bcp")
 ITERATIONS, SAVE_INTERVAL = 6, 3
@@ -212,13 +215,9 @@ def resume_from(ref_dir: str, workdir: str, iteration: int) -> None:
 # ----------------------------------------------------------------------------- bit-identical resume
 
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("variant", [
-    # slow on every release (two launches each, 30-45 s): CI's slow tier runs them
-    "distributed_optimizer_async",
-    pytest.param("optimizer_sync", marks=pytest.mark.slow),
-])
-@pytest.mark.parametrize("fmt", ["bcp", pytest.param("torch_dist", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("release", megatron_releases.params(need_tree=True, slow=megatron_releases.RELEASES))
+@pytest.mark.parametrize("variant", ["distributed_optimizer_async", "optimizer_sync"])
+@pytest.mark.parametrize("fmt", ["bcp", "torch_dist"])
+@pytest.mark.parametrize("release", RELEASES)
 def test_resume_is_bit_identical(release, fmt, variant, uninterrupted, tmp_path):
     """Resumed from the uninterrupted run's iteration-3 checkpoint: iterations 4-6 log the same losses
     and the iteration-6 checkpoint holds the same tensors, bit for bit. distributed_optimizer_async:
@@ -237,7 +236,6 @@ def test_resume_is_bit_identical(release, fmt, variant, uninterrupted, tmp_path)
 
 # ----------------------------------------------------------------------------- slow tier
 
-@pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("release", RELEASES)
@@ -260,7 +258,6 @@ def test_sigterm_checkpoints_and_resumes(release, fmt, uninterrupted, tmp_path):
     assert_same_checkpoint(iteration_dir(ref_dir, ITERATIONS), iteration_dir(workdir, ITERATIONS), fmt)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("saved,resumed_fmt", [("bcp", "torch_dist"), ("torch_dist", "bcp")])
 @pytest.mark.parametrize("release", RELEASES)
@@ -286,7 +283,6 @@ MEGATRON_FULLY_RESHARDABLE_DEFECT = (
     "(docs/megatron.md; bcp saves the layout gather-free)")
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("source,fmt", [
     pytest.param(["--tensor-model-parallel-size", "2"], "torch_dist", id="tp2_to_tp1-torch_dist"),
@@ -315,7 +311,6 @@ def test_reshard_on_resume(release, source, fmt, uninterrupted, tmp_path):
 
 # ----------------------------------------------------------------------------- the recipe
 
-@pytest.mark.slow
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT + 60)
 @pytest.mark.parametrize("release", megatron_releases.params(need_tree=True, releases=("0.19.0",)))
 def test_recipe_trains_at_tp2_and_resumes_at_tp1(release, tmp_path):
