@@ -888,6 +888,7 @@ def _forget_in_child() -> None:
     _LOCK = threading.Lock()  # another thread of the parent may have held it at the fork
     for cp in _CHECKPOINTERS.values():
         cp._pending = deque()
+        cp._pool = StagingPool()  # pinned staging buffers are not mapped in a child (host_memory)
         cp._warming = None
         cp._plans_lock = threading.Lock()
     hooks = getattr(threading, "_threading_atexits", None)

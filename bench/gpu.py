@@ -230,17 +230,24 @@ def floors(tr: Trainer, root: str) -> dict:
 def pinning(n: int) -> dict:
     """Pinned host memory allocated per second (requested bytes), in tensors of 86 MiB (not a
     power of two, as most of a model's are): torch's allocator (`pin_memory=True`, what a first
-    save of DCP's stager allocates with) and bcp's staging buffers (bcp_core.host_memory)."""
+    save of DCP's stager allocates with) and bcp's staging buffers (bcp_core.host_memory); and
+    the time of a fork (as of a DataLoader worker) while they are held."""
     from bcp_core.host_memory import pinned_empty
     piece = 86 << 20
     count = max(1, n // piece)
     out = {}
-    for name, alloc in (("bcp", lambda: pinned_empty((piece,), torch.uint8)),
+    for name, alloc in (("bcp", lambda: pinned_empty((piece,), torch.uint8, torch.device("cuda"))),
                         ("torch", lambda: torch.empty(piece, dtype=torch.uint8, pin_memory=True))):
         t = time.perf_counter()
         held = [alloc() for _ in range(count)]
         out[f"pin_alloc_{name}_gib_s"] = count * piece / GIB / (time.perf_counter() - t)
         assert all(h.is_pinned() for h in held), f"{name}: a buffer is not pinned"
+        t = time.perf_counter()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        out[f"fork_with_pinned_{name}_s"] = time.perf_counter() - t
+        os.waitpid(pid, 0)
         del held
     return out
 

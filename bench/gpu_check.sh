@@ -129,7 +129,8 @@ for gib, size in table["sizes"].items():
               f"pinned {r['pinned_peak_gib']:.2f} GiB" + (f"; prepare {r['prepare_s']:.2f} s" if "prepare_s" in r else "")
               + (f"; errors {r['errors']}" if r.get("errors") else "")
               + (f"; saves of the loop that failed: {r['save_errors']}" if r.get("save_errors") else ""))
-    print("    floors GiB/s: " + ", ".join(f"{k} {v:.2f}" for k, v in size["floors"].items() if k.endswith("gib_s")))
+    print("    floors GiB/s: " + ", ".join(f"{k} {v:.2f}" for k, v in size["floors"].items() if k.endswith("gib_s"))
+          + "; " + ", ".join(f"{k} {v:.3f}" for k, v in size["floors"].items() if k.startswith("fork_")))
     print("    ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in size["ratios"].items()))
 for s in table["skipped"]:
     print(f"  skipped {s['gib']} GiB: {s['why']}")

@@ -332,12 +332,28 @@ def test_a_synchronous_save_of_device_state_failing_mid_tensor_commits_nothing(d
     assert torch.equal(dest["w"].cpu(), state["w"].cpu())
 
 
+def _mapping_flags(addr: int) -> set[str] | None:
+    """The kernel's VmFlags of this process's mapping holding `addr` (None: not mapped)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "VmFlags:":
+                return set(line.split()[1:])
+    return None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux's /proc/self/smaps")
 def test_pinned_buffers_register_on_their_device_on_one_thread_and_never_in_a_forked_child(monkeypatch):
     """host_memory.pinned_empty with CUDA's registration calls recorded (no GPU here): the buffer is
-    page-aligned and exactly its size; registering and unregistering run on the "bcp-pin" thread
-    with the tensor's device current; the unregistering is queued once the last view is gone; a
-    forked child that drops the parent's buffers calls nothing; a registration that fails falls
-    back to torch's allocator."""
+    page-aligned and exactly its size, advised huge pages and not mapped in a forked child (Linux
+    copies pinned private pages into a child at the fork); registering and unregistering run on
+    the "bcp-pin" thread with the tensor's device current; the unregistering is queued once the
+    last view is gone, and the memory stays mapped until it has run; a forked child that drops the
+    parent's buffers calls nothing; a registration that fails falls back to torch's allocator."""
     import contextlib
     import gc
     import threading
@@ -354,7 +370,8 @@ def test_pinned_buffers_register_on_their_device_on_one_thread_and_never_in_a_fo
             return 0 if n != 3 << 20 else 1
 
         def cudaHostUnregister(self, ptr):  # noqa: N802
-            calls.append(("unregister", ptr, current[0], threading.current_thread().name))
+            calls.append(("unregister", ptr, current[0], threading.current_thread().name,
+                          _mapping_flags(ptr) is not None))
 
     current = [0]
 
@@ -369,10 +386,15 @@ def test_pinned_buffers_register_on_their_device_on_one_thread_and_never_in_a_fo
     assert t.shape == (5, 1 << 18) and t.untyped_storage().nbytes() == 5 << 20 and t.data_ptr() % 4096 == 0
     (reg,) = calls
     assert reg[1:4] == (t.data_ptr(), 5 << 20, 3) and reg[4].startswith("bcp-pin")
+    flags = _mapping_flags(t.data_ptr())
+    assert flags is not None and {"dc", "hg"} <= flags, f"not advised huge pages and no fork copy: {flags}"
     view = t[2:3]
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child drops the parent's buffer: nothing of CUDA may run here
+        if _mapping_flags(reg[1]) is not None:
+            os.write(w, b"the buffer is mapped in a forked child")
+            os._exit(0)
         del t, view
         gc.collect()
         host_memory._PINNER._executor().submit(lambda: None).result()  # anything queued has run
@@ -384,10 +406,15 @@ def test_pinned_buffers_register_on_their_device_on_one_thread_and_never_in_a_fo
     del t
     gc.collect()
     assert len(calls) == 1, "unregistered while a view was alive"
+    held = threading.Event()  # the pin thread busy: the array is gone before the unregistering runs
+    host_memory._PINNER._executor().submit(held.wait)
     del view
     gc.collect()
+    held.set()
     host_memory._PINNER._executor().submit(lambda: None).result()  # the queued unregistering ran
     assert calls[1][:3] == ("unregister", reg[1], 3) and calls[1][3].startswith("bcp-pin")
+    assert calls[1][4], "unmapped before it was unregistered: CUDA could refuse to pin what reuses the addresses"
+    assert _mapping_flags(reg[1]) is None, "the map outlived its unregistering"
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: "torch's pinned allocator" if pin_memory
                         else real_empty(*a, **k))
