@@ -13,9 +13,10 @@ PACKAGE = Path(bcp_core.__file__).parent
 
 
 def module_names(root: Path = PACKAGE) -> dict[str, Path]:
-    """Every module of the package under `root`, by dotted name (a package by its own name)."""
+    """Every module of the package under `root`, by dotted name (a package by its own name; a
+    compiled module by its C source's)."""
     out = {}
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted([*root.rglob("*.py"), *root.rglob("*.c")]):
         parts = path.relative_to(root.parent).with_suffix("").parts
         out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
@@ -54,7 +55,8 @@ def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str
 
 def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
     modules = module_names(root)
-    return {name: imported_modules(name, path, modules) for name, path in modules.items()}
+    return {name: imported_modules(name, path, modules) if path.suffix == ".py" else set()
+            for name, path in modules.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
