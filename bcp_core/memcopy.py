@@ -10,10 +10,12 @@ non-temporal stores against 0.155-0.166 s with memcpy (bench/io_cpu.py: `map_str
 `copy` uses the compiled `_memcopy` (x86-64; built by `pip install` where a C compiler is, else
 left out) for runs of at least `STREAM_MIN_BYTES`, numpy's copy otherwise.
 
-A load copies with it, into the caller's tensors. A save's snapshot does not: in the training loop
-of bench/train_loop.py (ddp-transformer), where the first snapshot copies into fresh staging
-buffers, its first checkpoint step took 1.68x a normal step with streamed copies against 1.32x
-without (one run each; later steps 1.12x and 1.19x, within this VM's noise).
+A load copies with it, into the caller's tensors. A save's snapshot does not. Into fresh staging
+buffers (a first save), bench/train_loop.py's ddp-transformer loop took 1.68x a normal step for
+its first checkpoint step with streamed copies against 1.32x without (one run each). Into buffers
+faulted in already (later saves), the snapshot's copies took 0.018-0.039 s of CPU per GiB
+streamed against 0.021-0.052 s not (bench/io_cpu.py --train-steps 2, 6 and 4 saves): ~6 % of a
+save's CPU, and no difference this VM's noise lets show in the loop.
 """
 
 from __future__ import annotations
@@ -37,4 +39,5 @@ def copy(dst: np.ndarray, src: np.ndarray) -> None:
         _memcopy.copy(dst, src)
     else:
         np.copyto(dst, src)
+
 
