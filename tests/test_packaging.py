@@ -20,6 +20,8 @@ import sys
 import sysconfig
 import venv
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIST = "bcp-checkpoint"
 
@@ -96,6 +98,7 @@ def test_installs_into_a_fresh_venv_and_runs_both_entry_points(tmp_path):
         assert native == "True", "bcp_core._memcopy was not built: loads copy with numpy (memcopy.py)"
 
 
+@pytest.mark.slow  # a second install (20 s); the default tier keeps the one with the compiler
 def test_installs_and_loads_without_a_c_compiler(tmp_path):
     """The compiled copy is optional: with no working compiler the install succeeds without it and
     a load copies with numpy."""
