@@ -4,8 +4,10 @@ An ordinary store reads each destination cache line from memory before writing i
 moves three times its size through memory; a non-temporal store writes whole lines without
 reading them, twice its size. glibc's memcpy, and the kernel's copy into user memory, use
 ordinary stores up to about 3/4 of the shared cache (190 MiB on a 480 MiB L3): every tensor of
-a model. On the 2-core development VM a copy of 64 MiB runs in 0.09-0.10 s per GiB with
-non-temporal stores against 0.155-0.166 s with memcpy (bench/io_cpu.py: `map_stream`).
+a model. On the 2-core development VM copies of 64 MiB ran at 0.09-0.10 s per GiB with
+non-temporal stores against 0.155-0.166 s with memcpy, two processes at once; out of the page
+cache into a load's tensors, 0.71-0.73x the time of the kernel's copy (bench/io_cpu.py:
+`map_stream`).
 
 `copy` uses the compiled `_memcopy` (x86-64; built by `pip install` where a C compiler is, else
 left out) for runs of at least `STREAM_MIN_BYTES`, numpy's copy otherwise.
@@ -39,5 +41,3 @@ def copy(dst: np.ndarray, src: np.ndarray) -> None:
         _memcopy.copy(dst, src)
     else:
         np.copyto(dst, src)
-
-

@@ -70,7 +70,7 @@ def _install(tmp_path, extra_env: dict | None = None) -> tuple[str, str, dict]:
 
 # a save and load of a tensor large enough for memcopy's compiled copy, and whether it was there
 _ROUND_TRIP = """
-import sys, tempfile, torch
+import tempfile, torch
 import bcp_core as bcp
 from bcp_core import memcopy
 t = torch.arange(3 << 18, dtype=torch.float32)
