@@ -6,6 +6,7 @@ Fresh processes per measurement: no system inherits another's warmed memory or t
 from __future__ import annotations
 
 import os
+import queue as queue_mod
 import socket
 import sys
 import time
@@ -44,7 +45,19 @@ def run_ranks(fn, ranks: int, *args, name: str = ""):
     procs = [ctx.Process(target=_worker, args=(r, ranks, port, fn, args, queue)) for r in range(ranks)]
     for p in procs:
         p.start()
-    res = queue.get(timeout=3600)
+    deadline = time.monotonic() + 3600
+    while True:  # a rank that dies before rank 0 reports must end the run, not leave it waiting an hour
+        try:
+            res = queue.get(timeout=1.0)
+            break
+        except queue_mod.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                    p.join()
+                what = ", ".join(f"rank {r} exited with code {c}" for r, c in dead) or "no result within an hour"
+                raise RuntimeError(f"bench: {name or fn.__name__}: {what} before rank 0 reported")
     for rank, p in enumerate(procs):
         p.join()
         if p.exitcode:
