@@ -45,7 +45,7 @@ for _name, _code in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
 class WriteItem:
     """One piece to write: its header name, its bytes' tensor (on the host and contiguous, or on a
     CUDA device in a synchronous save) and its piece key (a save_planner record saying what the
-    bytes are; passed through to the report)."""
+    bytes are; passed through to the report; None for padding, `_layout`)."""
 
     name: str
     tensor: torch.Tensor
@@ -79,12 +79,14 @@ def _write_hashed(writer, chunks: Iterable[memoryview], block: int) -> tuple[tup
     """Hash a piece (the checksum of each `block`) and write it: its bytes come in `chunks` (one for
     a host tensor, several through a `Bounce` for a device tensor), handed to the writer
     `writer.write_bytes` at a time, each part hashed just before it is written (the writer then
-    reads bytes still in the core's cache); a writer that prefers large writes (`write_bytes` None)
-    gets each chunk whole, hashed first. Returns the checksums and the seconds spent hashing."""
+    copies bytes still in the core's cache); a chunk the writer takes in place (no copy), or any
+    chunk for a writer that prefers large writes (`write_bytes` None), goes whole, hashed first.
+    Returns the checksums and the seconds spent hashing."""
     sums, hashing = [], 0.0
     h, in_block = xxhash.xxh3_64(), 0  # streaming XXH3: a block's digest equals `checksum` of its bytes
     for data in chunks:
-        step = getattr(writer, "write_bytes", None) or max(len(data), 1)
+        step = None if writer.writes_in_place(data) else writer.write_bytes
+        step = step or max(len(data), 1)
         for lo in range(0, len(data), step):
             part = data[lo:lo + step]
             t0 = time.perf_counter()
@@ -103,7 +105,9 @@ def _write_hashed(writer, chunks: Iterable[memoryview], block: int) -> tuple[tup
     return tuple(sums), hashing
 
 
-def _header(items: list[WriteItem]) -> bytes:
+def _header(items: list[WriteItem], align: int = 8) -> bytes:
+    """The safetensors header of a file holding `items` in this order, space padded so that the
+    data starts at a multiple of `align` (a multiple of 8, as safetensors wants)."""
     header: dict = {"__metadata__": {"format": "bcp"}}
     pos = 0
     for it in items:
@@ -113,8 +117,41 @@ def _header(items: list[WriteItem]) -> bytes:
         header[it.name] = {"dtype": code or "U8", "shape": shape, "data_offsets": [pos, pos + n]}
         pos += n
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+    raw += b" " * ((-8 - len(raw)) % align)
     return len(raw).to_bytes(8, "little") + raw
+
+
+# Host pieces at least this large are laid out for writers that write in place (FileWriter.align).
+IN_PLACE_MIN_BYTES = 1 << 20
+
+
+def _layout(items: list[WriteItem], align: int) -> tuple[list[WriteItem], bytes]:
+    """The order of a file's pieces and its header. For a writer that writes a large buffer in place
+    when its address and the file position agree modulo `align`, the data starts at a multiple of
+    `align`, large host pieces come first (those alike modulo `align` together) and each starts at
+    its address modulo `align`, behind a padding entry (`__padding_<k>`, zero bytes, key None)
+    where needed; the other pieces follow."""
+    if not align:
+        return items, _header(items)
+
+    def residue(it: WriteItem) -> int | None:
+        t = it.tensor
+        if t.device.type != "cpu" or t.numel() * t.element_size() < IN_PLACE_MIN_BYTES:
+            return None
+        return t.data_ptr() % align
+    large = sorted((it for it in items if residue(it) is not None), key=residue)  # stable: sizes stay descending
+    if not large:
+        return items, _header(items)
+    chosen = {id(it) for it in large}
+    order, pos = [], 0
+    for it in large:
+        pad = (residue(it) - pos) % align
+        if pad:
+            order.append(WriteItem(f"__padding_{len(order)}", torch.zeros(pad, dtype=torch.uint8), None))
+        order.append(it)
+        pos += pad + it.tensor.numel() * it.tensor.element_size()
+    order += [it for it in items if id(it) not in chosen]
+    return order, _header(order, align)
 
 
 # A file per writer thread only pays off for large ranks; small saves stay in one file.
@@ -150,13 +187,17 @@ def write_items(storage: Storage, rank: int, items: list[WriteItem], num_files: 
     with ThreadPoolExecutor(len(bins), thread_name_prefix="bcp-write") as pool:
         def write_file(k: int) -> list[tuple[WriteItem, str, int, int, tuple[int, ...]]]:
             rel = f"data/{prefix}r{rank}_{k}.safetensors"
-            header = _header(bins[k])
             writer = storage.open_writer(rel)
             placed = []
             try:
+                order, header = _layout(bins[k], writer.align)
                 writer.write(memoryview(header))
                 pos = len(header)
-                for it in bins[k]:
+                for it in order:
+                    if it.key is None:  # padding (_layout)
+                        writer.write(tensor_bytes(it.tensor))
+                        pos += it.tensor.numel()
+                        continue
                     with hold(it.tensor) as t:
                         n = t.numel() * t.element_size()
                         t0 = time.time()

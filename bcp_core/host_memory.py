@@ -123,11 +123,27 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     return torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
+# Host copies of host tensors at least this large sit at the source's address modulo a page.
+SAME_PAGE_OFFSET_BYTES = 1 << 20
+
+
 def host_buffer(src: torch.Tensor) -> torch.Tensor:
-    """A host tensor shaped as `src`, to copy it into: pinned when `src` lives on a CUDA device."""
+    """A host tensor shaped as `src`, to copy it into: pinned when `src` lives on a CUDA device.
+
+    A large copy of a host tensor starts at the same offset within a page as `src`: a save writes
+    either (the live source or the copy) and lays its files out for direct writes from the
+    caller's memory (engine._layout), which need the address and file offset to agree in a page."""
     if src.device.type == "cuda" and torch.cuda.is_available():
         return pinned_empty(tuple(src.shape), src.dtype, src.device)
-    return torch.empty(tuple(src.shape), dtype=src.dtype)
+    nbytes = src.numel() * src.element_size()
+    if src.device.type != "cpu" or nbytes < SAME_PAGE_OFFSET_BYTES:
+        return torch.empty(tuple(src.shape), dtype=src.dtype)
+    page = mmap.PAGESIZE
+    raw = torch.empty(nbytes + page, dtype=torch.uint8)
+    shift = (src.data_ptr() - raw.data_ptr()) % page
+    if shift % src.element_size():  # a source not aligned to its own element size
+        return torch.empty(tuple(src.shape), dtype=src.dtype)
+    return raw[shift:shift + nbytes].view(src.dtype).view(src.shape)
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:

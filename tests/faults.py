@@ -153,6 +153,10 @@ class _FaultyWriter(FileWriter):
 
     def __init__(self, inner: FileWriter, faults: list[Fault]):
         self.inner, self.faults, self.started = inner, faults, False
+        self.write_bytes, self.align = inner.write_bytes, inner.align  # the engine writes as it would to inner
+
+    def writes_in_place(self, data: memoryview) -> bool:
+        return self.inner.writes_in_place(data)
 
     def write(self, data: memoryview) -> None:
         if not self.started:

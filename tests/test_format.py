@@ -38,6 +38,42 @@ def test_metadata_and_data_files_match_the_spec(tmp_path):
         assert f.get_tensor("t.scalar@").shape == ()
 
 
+def test_large_pieces_start_where_direct_io_takes_them_from_memory(tmp_path):
+    """docs/format.md: a data file written with direct I/O has its data start at a multiple of 4096
+    and each large host piece at a file offset agreeing with its tensor's address modulo 4096,
+    behind zero-byte `__padding_<k>` entries; safetensors reads every piece, `bcp verify` passes,
+    and a load gives the tensors back."""
+    from bcp_core.storage import local
+    from bcp_core.tools import cli
+    try:
+        os.close(os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644))
+    except (AttributeError, OSError):
+        pytest.skip(f"{tmp_path} has no O_DIRECT")
+    base = torch.randn(3 << 20)
+    # views at element offsets whose addresses differ modulo 4096 (and are not all multiples of 8)
+    state = {f"t{i}": base[off:off + (1 << 18) + 1000 * i] for i, off in enumerate((0, 3, 1000, (1 << 20) + 7))}
+    state["small"] = torch.arange(10.0)
+    bcp.save(str(tmp_path / "ck"), state).wait()
+    ck = tmp_path / "ck"
+    raw = json.loads((ck / "bcp_metadata.json").read_text())
+    for fqn, t in state.items():
+        (piece,) = raw["tensors"][fqn]["pieces"]
+        if t.numel() * 4 >= 1 << 20:
+            assert (piece["byte_offset"] - t.data_ptr()) % local.ALIGN == 0, fqn
+    (name,) = raw["files"]
+    with open(ck / name, "rb") as f:
+        assert (8 + int.from_bytes(f.read(8), "little")) % local.ALIGN == 0
+    with safe_open(str(ck / name), "pt") as f:
+        pads = [k for k in f.keys() if k.startswith("__padding_")]
+        assert pads and all(not f.get_tensor(k).any() for k in pads)
+        for fqn, t in state.items():
+            assert torch.equal(f.get_tensor(f"{fqn}@0"), t), fqn
+    assert cli.main(["verify", str(ck)]) == 0
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    bcp.load(str(ck), out)
+    assert all(torch.equal(out[k], state[k]) for k in state)
+
+
 def test_codec_round_trip():
     value = {"a": (1, 2.5, None), "b": [b"\x00\xff", float("nan"), float("-inf")], 3: "int key",
              "__tag_like__": True, "dt": torch.bfloat16, "dev": torch.device("cpu"),
@@ -127,19 +163,31 @@ def test_views_of_one_or_no_element_with_any_strides_round_trip(tmp_path):
     assert torch.equal(bases[2], before[2].index_fill(0, torch.tensor([3]), 3))
 
 
-@pytest.mark.parametrize("write_bytes", [None, 1 << 20, 3, 4096])
-def test_pieces_are_hashed_per_block_and_written_in_the_parts_the_writer_asks_for(write_bytes):
+@pytest.mark.parametrize("write_bytes,in_place", [(None, False), (1 << 20, False), (3, False), (4096, False),
+                                                 (4096, True)])
+def test_pieces_are_hashed_per_block_and_written_in_the_parts_the_writer_asks_for(write_bytes, in_place):
     """engine._write_hashed: whatever part size the writer asks for (None: the whole piece), every
     byte is written once, in order, in parts of at most that size, and the checksums are those of
-    each block of the piece, as docs/format.md defines them (the empty piece: one, of no bytes)."""
+    each block of the piece, as docs/format.md defines them (the empty piece: one, of no bytes).
+    A chunk the writer takes in place goes whole."""
     from bcp_core.engine import _write_hashed, checksum
+    from bcp_core.storage import FileWriter
 
-    class Writer:
+    class Writer(FileWriter):
         def __init__(self):
             self.write_bytes, self.parts = write_bytes, []
 
+        def writes_in_place(self, data):
+            return in_place
+
         def write(self, data):
             self.parts.append(bytes(data))
+
+        def close(self):
+            pass
+
+        def abort(self):
+            pass
 
     rng = np.random.default_rng(0)
     for size, block in [(0, 16), (1, 16), (15, 16), (16, 16), (17, 16), (4097, 1024), ((3 << 20) + 5, 1 << 20)]:
@@ -147,8 +195,9 @@ def test_pieces_are_hashed_per_block_and_written_in_the_parts_the_writer_asks_fo
         w = Writer()
         sums, _ = _write_hashed(w, (memoryview(data),), block)
         assert b"".join(w.parts) == data, (size, block)
-        assert len(w.parts) == (max(1, math.ceil(size / write_bytes)) if write_bytes and size else int(size > 0))
-        assert all(len(p) <= (write_bytes or size) for p in w.parts)
+        whole = not write_bytes or in_place
+        assert len(w.parts) == (int(size > 0) if whole else max(1, math.ceil(size / write_bytes)) if size else 0)
+        assert all(len(p) <= (size if whole else write_bytes) for p in w.parts)
         expect = tuple(checksum(data[i:i + block]) for i in range(0, size, block)) or (checksum(b""),)
         assert sums == expect, (size, block)
         # the same piece arriving in chunks (a device tensor through pinned chunks): same bytes, same sums

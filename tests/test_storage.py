@@ -15,6 +15,7 @@ import sys
 import threading
 import uuid
 
+import numpy as np
 import pytest
 import torch
 
@@ -530,6 +531,64 @@ def test_local_direct_writes_hold_every_byte(tmp_path, small_io, chunk):
             want += data
         w.close()
         assert (tmp_path / f"f{case}").read_bytes() == bytes(want), (case, sizes)
+
+
+def test_direct_writes_take_large_buffers_in_place(tmp_path, small_io, monkeypatch):
+    """A large buffer whose address agrees with the file position modulo ALIGN goes to the device
+    from the caller's memory: only its unaligned ends pass through the aligned buffers, and every
+    byte lands, whatever was written before and after it. A device refusing it (EINVAL) gets it
+    buffered; a device error (ENOSPC) fails the file, and abort leaves nothing behind."""
+    if not _direct_io_here(tmp_path):
+        pytest.skip(f"{tmp_path} has no O_DIRECT")
+    import errno
+
+    from bcp_core.storage import local
+    copied, real_copy = [], local._copy
+    monkeypatch.setattr(local, "_copy", lambda dst, src: (copied.append(len(dst)), real_copy(dst, src)))
+    st = bst.storage_for(str(tmp_path))
+    big = np.random.default_rng(0).integers(0, 256, 3 * local.IN_PLACE_BYTES, dtype=np.uint8)
+
+    def aligned_slice(pos: int, n: int) -> memoryview:
+        """n bytes of `big` whose address is `pos` modulo ALIGN."""
+        start = (pos - big.ctypes.data) % local.ALIGN
+        return memoryview(big)[start:start + n]
+
+    for head in (0, 5, local.ALIGN + 100, 2 * PART + 7):  # bytes already in the file
+        w = st.open_writer(f"f{head}")
+        before = os.urandom(head)
+        w.write(memoryview(before))
+        data = aligned_slice(head, 2 * local.IN_PLACE_BYTES + 777)
+        assert w.writes_in_place(data)
+        assert not w.writes_in_place(data[1:]) and not w.writes_in_place(data[:local.IN_PLACE_BYTES - 1])
+        copied.clear()
+        w.write(data)
+        assert 0 < sum(copied) < 2 * local.ALIGN or (head % local.ALIGN == 0 and sum(copied) == 777), copied
+        w.write(memoryview(b"tail"))
+        w.close()
+        assert (tmp_path / f"f{head}").read_bytes() == before + bytes(data) + b"tail"
+
+    real_pwrite = os.pwrite
+    for err in (errno.EINVAL, errno.ENOSPC):
+        def pwrite(fd, buf, pos, err=err):
+            if len(buf) > local.IN_PLACE_BYTES:  # the in-place write
+                raise OSError(err, os.strerror(err))
+            return real_pwrite(fd, buf, pos)
+        monkeypatch.setattr(local.os, "pwrite", pwrite)
+        w = st.open_writer(f"e{err}")
+        w.write(memoryview(b"head"))
+        data = aligned_slice(4, 2 * local.IN_PLACE_BYTES)
+        if err == errno.EINVAL:
+            w.write(data)
+            w.close()
+            assert not w.direct and (tmp_path / f"e{err}").read_bytes() == b"head" + bytes(data)
+        else:
+            with pytest.raises(OSError, match="No space left"):
+                w.write(data)
+            w.abort()
+            assert not (tmp_path / f"e{err}").exists()
+    monkeypatch.setattr(local.os, "pwrite", real_pwrite)
+    left = sorted(f.name for f in tmp_path.iterdir() if ".bcp-tmp." in f.name)
+    assert not left, left  # the failed file's temporary is gone
 
 
 def test_direct_io_falls_back_to_buffered_writes(tmp_path, small_io, monkeypatch):

@@ -119,12 +119,23 @@ class FileWriter(ABC):
     `write_bytes`: how much a `write` call should bring at most, where small calls cost the writer
     nothing (it copies into buffers of its own); None: large calls are better (a writer that cuts
     them into parallel chunks).
+
+    `align`: nonzero for a writer that can send a large buffer to storage from the caller's memory,
+    without a copy, when its address and the file position agree modulo `align` (direct I/O);
+    `writes_in_place(data)` says whether the next `write(data)` would, and callers lay files out
+    so that large pieces land so.
     """
 
     write_bytes: int | None = None
+    align: int = 0
 
     @abstractmethod
     def write(self, data: memoryview) -> None: ...
+
+    def writes_in_place(self, data: memoryview) -> bool:
+        """Whether `write(data)`, called next, would take the bulk of `data` from the caller's memory
+        (no copy): the caller then hands it over whole."""
+        return False
 
     @abstractmethod
     def close(self) -> None: ...

@@ -55,6 +55,13 @@ ALIGN = 4096
 # What a direct-I/O write call should bring (FileWriter.write_bytes): the engine hashes that much,
 # then hands it over, so the copy into the aligned buffer reads bytes still in the core's cache.
 DIRECT_WRITE_BYTES = 1 << 20
+# A write at least this large whose address agrees with the file position modulo ALIGN is written
+# in place: straight from the caller's memory, its unaligned ends through the buffers.
+IN_PLACE_BYTES = 1 << 20
+
+
+def _address(data: memoryview) -> int:
+    return np.frombuffer(data, dtype=np.uint8).ctypes.data if len(data) else 0
 
 
 class _AlignedBuffers:
@@ -119,8 +126,10 @@ class _LocalWriter(FileWriter):
     Direct I/O: the bytes are copied into a page-aligned buffer (`_ALIGNED`); a full buffer is
     written by a thread of the writer's own while the next one fills, so copying and the device
     overlap and writes of any size cost one copy (`write_bytes`: the engine hands over 1 MiB at a
-    time, just hashed). The last, partial block goes out padded at `close`, and the file is cut to
-    size. Buffered (no direct I/O here, or memory://): each write is cut into `chunk_bytes` chunks
+    time, just hashed). A write of at least `IN_PLACE_BYTES` whose address agrees with the file
+    position modulo `ALIGN` (the engine lays files out so) costs none: its aligned bulk goes to the
+    device from the caller's memory before `write` returns, its ends through the buffers. The
+    last, partial block goes out padded at `close`, and the file is cut to size. Buffered (no direct I/O here, or memory://): each write is cut into `chunk_bytes` chunks
     written by parallel threads, so the engine hands over whole pieces (`write_bytes` None).
     """
 
@@ -145,6 +154,7 @@ class _LocalWriter(FileWriter):
             self._close_dir()
             raise
         self.write_bytes = DIRECT_WRITE_BYTES if self.direct else None
+        self.align = ALIGN if self.direct else 0
         self.pos = 0  # bytes taken so far
         # direct I/O: the buffer being filled (bytes [pos - fill, pos) of the file), and the previous
         # one while its write is in flight: (future, buffer, file offset, bytes)
@@ -165,9 +175,35 @@ class _LocalWriter(FileWriter):
         run_all([lambda lo=lo, hi=hi: _pwrite_all(self.fd, data[lo:hi], pos + lo) for lo, hi in chunks(len(data))])
         self.pos += len(data)
 
+    def writes_in_place(self, data: memoryview) -> bool:
+        return bool(self.direct and len(data) >= IN_PLACE_BYTES and (_address(data) - self.pos) % ALIGN == 0)
+
     def _write_direct(self, data: memoryview) -> memoryview:
+        """Write `data` in place if it can (`writes_in_place`), else through the aligned buffers.
+        Returns what is left to write buffered if the device refused direct I/O (EINVAL: another
+        alignment)."""
+        if not self.writes_in_place(data):
+            return self._copy_in(data)
+        head = -self.pos % ALIGN  # up to the next aligned offset: into the buffer being filled
+        body = (len(data) - head) // ALIGN * ALIGN
+        left = self._copy_in(data[:head])
+        if len(left):
+            return data[head - len(left):]
+        try:
+            if self.fill:  # the buffer now ends where the body starts, at an aligned offset
+                self._submit()
+            _pwrite_all(self.fd, data[head:head + body], self.pos)  # releases the GIL; the buffer's write goes on beside it
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self._stop_direct()
+            return data[head:]
+        self.pos += body
+        return self._copy_in(data[head + body:])
+
+    def _copy_in(self, data: memoryview) -> memoryview:
         """Copy `data` into aligned buffers, handing each full one to the I/O thread. Returns what
-        is left to write buffered if the device refused direct I/O (EINVAL: another alignment)."""
+        is left to write buffered if the device refused direct I/O."""
         while len(data):
             if self.buf is None:
                 self.buf, self.fill = _ALIGNED.get(), 0
@@ -178,18 +214,23 @@ class _LocalWriter(FileWriter):
             data = data[take:]
             if self.fill == len(self.buf):
                 try:
-                    self._wait_inflight()
+                    self._submit()
                 except OSError as e:
                     if e.errno != errno.EINVAL:
                         raise
                     self._stop_direct()
                     return data
-                if self.pool is None:
-                    self.pool = ThreadPoolExecutor(1, thread_name_prefix="bcp-io")
-                buf, at, n = self.buf, self.pos - self.fill, self.fill
-                self.buf, self.fill = None, 0
-                self.inflight = (self.pool.submit(_pwrite_all, self.fd, memoryview(buf)[:n], at), buf, at, n)
         return data
+
+    def _submit(self) -> None:
+        """Hand the buffer being filled (it ends at an aligned offset) to the I/O thread, once the
+        one in flight is written."""
+        self._wait_inflight()
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix="bcp-io")
+        buf, at, n = self.buf, self.pos - self.fill, self.fill
+        self.buf, self.fill = None, 0
+        self.inflight = (self.pool.submit(_pwrite_all, self.fd, memoryview(buf)[:n], at), buf, at, n)
 
     def _wait_inflight(self) -> None:
         """Wait for the buffer in flight; it goes back to the pool once written."""
