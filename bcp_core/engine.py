@@ -28,7 +28,7 @@ from .host_memory import bounce, byte_view, ordered_after_callers
 from .load_planner import ReadItem
 from .metadata import CheckpointMetadata, check_metadata_size, num_blocks, parse_json
 from .storage import Storage
-from .storage.base import CONFIG
+from .storage.base import CONFIG, IN_PLACE_BYTES
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -121,10 +121,6 @@ def _header(items: list[WriteItem], align: int = 8) -> bytes:
     return len(raw).to_bytes(8, "little") + raw
 
 
-# Host pieces at least this large are laid out for writers that write in place (FileWriter.align).
-IN_PLACE_MIN_BYTES = 1 << 20
-
-
 def _layout(items: list[WriteItem], align: int) -> tuple[list[WriteItem], bytes]:
     """The order of a file's pieces and its header. For a writer that writes a large buffer in place
     when its address and the file position agree modulo `align`, the data starts at a multiple of
@@ -136,7 +132,7 @@ def _layout(items: list[WriteItem], align: int) -> tuple[list[WriteItem], bytes]
 
     def residue(it: WriteItem) -> int | None:
         t = it.tensor
-        if t.device.type != "cpu" or t.numel() * t.element_size() < IN_PLACE_MIN_BYTES:
+        if t.device.type != "cpu" or t.numel() * t.element_size() < IN_PLACE_BYTES:
             return None
         return t.data_ptr() % align
     large = sorted((it for it in items if residue(it) is not None), key=residue)  # stable: sizes stay descending

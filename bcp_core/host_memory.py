@@ -123,7 +123,8 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     return torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
-# Host copies of host tensors at least this large sit at the source's address modulo a page.
+# Host copies of host tensors at least this large sit at the source's address modulo a page: the
+# smallest write a direct-I/O writer takes in place (storage.base.IN_PLACE_BYTES).
 SAME_PAGE_OFFSET_BYTES = 1 << 20
 
 

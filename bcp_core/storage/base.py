@@ -112,6 +112,10 @@ def chunks(n: int) -> list[tuple[int, int]]:
 
 # ----------------------------------------------------------------------------- interface
 
+# The smallest write a writer with `FileWriter.align` takes in place (from the caller's memory).
+IN_PLACE_BYTES = 1 << 20
+
+
 class FileWriter(ABC):
     """A file being written sequentially. `close()` makes it durable and visible; nothing is visible before.
 
@@ -120,8 +124,9 @@ class FileWriter(ABC):
     nothing (it copies into buffers of its own); None: large calls are better (a writer that cuts
     them into parallel chunks).
 
-    `align`: nonzero for a writer that can send a large buffer to storage from the caller's memory,
-    without a copy, when its address and the file position agree modulo `align` (direct I/O);
+    `align`: nonzero for a writer that can send a buffer of at least `IN_PLACE_BYTES` to storage
+    from the caller's memory, without a copy, when its address and the file position agree modulo
+    `align` (direct I/O);
     `writes_in_place(data)` says whether the next `write(data)` would, and callers lay files out
     so that large pieces land so.
     """

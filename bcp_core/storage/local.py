@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import StorageError
 from ..utils import this_rank
-from .base import CONFIG, FileWriter, Storage, chunks, register_storage, run_all, temp_name
+from .base import CONFIG, IN_PLACE_BYTES, FileWriter, Storage, chunks, register_storage, run_all, temp_name
 
 
 # ----------------------------------------------------------------------------- local / POSIX
@@ -55,11 +55,6 @@ ALIGN = 4096
 # What a direct-I/O write call should bring (FileWriter.write_bytes): the engine hashes that much,
 # then hands it over, so the copy into the aligned buffer reads bytes still in the core's cache.
 DIRECT_WRITE_BYTES = 1 << 20
-# A write at least this large whose address agrees with the file position modulo ALIGN is written
-# in place: straight from the caller's memory, its unaligned ends through the buffers.
-IN_PLACE_BYTES = 1 << 20
-
-
 def _address(data: memoryview) -> int:
     return np.frombuffer(data, dtype=np.uint8).ctypes.data if len(data) else 0
 
