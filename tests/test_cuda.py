@@ -266,14 +266,17 @@ def test_bounce_moves_bytes_in_chunks_both_ways(device):
     b = Bounce(torch.device(device), chunk=1024)
     assert all(buf.is_pinned() == (device == "cuda") for buf in b._bufs)
     g = torch.Generator().manual_seed(0)
-    for shape, dtype in [((777,), torch.float32), ((33, 65), torch.bfloat16), ((1,), torch.int64), ((0,), torch.float32)]:
+    cases = [((777,), torch.float32), ((33, 65), torch.bfloat16), ((1,), torch.int64), ((0,), torch.float32)]
+    for shape, dtype in cases:
         host = (torch.randn(shape, generator=g) * 100).to(dtype)
         src = host.to(device)
-        for view, want in [(src, host), (src.t() if src.dim() == 2 else src, host.t().contiguous() if host.dim() == 2 else host)]:
+        transposed = (src.t(), host.t().contiguous()) if src.dim() == 2 else (src, host)
+        for view, want in [(src, host), transposed]:
             got = b"".join(bytes(c) for c in b.download(view))
             assert got == want.contiguous().view(torch.uint8).numpy().tobytes(), (shape, dtype)
         dest = torch.full_like(src, 3)
-        b.upload(dest, memoryview(host.contiguous().view(torch.uint8).numpy()).cast("B") if host.numel() else memoryview(b""))
+        raw = memoryview(host.contiguous().view(torch.uint8).numpy()).cast("B") if host.numel() else memoryview(b"")
+        b.upload(dest, raw)
         assert torch.equal(dest.cpu().view(torch.uint8), host.view(torch.uint8)), (shape, dtype)
     with pytest.raises(ValueError, match="upload of 5 bytes into a tensor of 8 bytes"):
         b.upload(torch.zeros(2, device=device), memoryview(b"12345"))

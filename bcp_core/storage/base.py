@@ -126,9 +126,8 @@ class FileWriter(ABC):
 
     `align`: nonzero for a writer that can send a buffer of at least `IN_PLACE_BYTES` to storage
     from the caller's memory, without a copy, when its address and the file position agree modulo
-    `align` (direct I/O);
-    `writes_in_place(data)` says whether the next `write(data)` would, and callers lay files out
-    so that large pieces land so.
+    `align` (direct I/O); `writes_in_place(data)` says whether the next `write(data)` would, and
+    callers lay files out so that large pieces land so.
     """
 
     write_bytes: int | None = None

@@ -55,6 +55,8 @@ ALIGN = 4096
 # What a direct-I/O write call should bring (FileWriter.write_bytes): the engine hashes that much,
 # then hands it over, so the copy into the aligned buffer reads bytes still in the core's cache.
 DIRECT_WRITE_BYTES = 1 << 20
+
+
 def _address(data: memoryview) -> int:
     return np.frombuffer(data, dtype=np.uint8).ctypes.data if len(data) else 0
 
@@ -124,8 +126,9 @@ class _LocalWriter(FileWriter):
     time, just hashed). A write of at least `IN_PLACE_BYTES` whose address agrees with the file
     position modulo `ALIGN` (the engine lays files out so) costs none: its aligned bulk goes to the
     device from the caller's memory before `write` returns, its ends through the buffers. The
-    last, partial block goes out padded at `close`, and the file is cut to size. Buffered (no direct I/O here, or memory://): each write is cut into `chunk_bytes` chunks
-    written by parallel threads, so the engine hands over whole pieces (`write_bytes` None).
+    last, partial block goes out padded at `close`, and the file is cut to size. Buffered (no
+    direct I/O here, or memory://): each write is cut into `chunk_bytes` chunks written by
+    parallel threads, so the engine hands over whole pieces (`write_bytes` None).
     """
 
     def __init__(self, dir_fd: int, name: str, shown: str, fsync: bool, mode: int = 0o644):
@@ -187,7 +190,8 @@ class _LocalWriter(FileWriter):
         try:
             if self.fill:  # the buffer now ends where the body starts, at an aligned offset
                 self._submit()
-            _pwrite_all(self.fd, data[head:head + body], self.pos)  # releases the GIL; the buffer's write goes on beside it
+            # releases the GIL; the buffer's write goes on beside it
+            _pwrite_all(self.fd, data[head:head + body], self.pos)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
