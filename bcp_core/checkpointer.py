@@ -141,6 +141,7 @@ class SaveJob:
     staged_per_rank: list | None = None
     writable: set | None = None                  # boxes this rank staged, if not all it holds
     lazy: LazyCopy | None = None                 # the staged copies still being made (lazy snapshot)
+    background: bool = False                     # an async save: it writes beside training (engine: in_place)
     step_phase: str = "queued"                   # where the job is, for messages at exit
 
 
@@ -286,6 +287,7 @@ class Checkpointer:
             if job.cached is not None:
                 self._plans.move_to_end(job.plan.key)
                 self.stats["cache_hits"] += 1
+        job.background = async_save
         if async_save:
             if snapshot == "fork" and self._pool_is_cold(job) and can_fork(job.ckpt, _plan_tensors(job.plan)):
                 self._fork(job)
@@ -699,7 +701,7 @@ def _write(job: SaveJob, assignment: Assignment, staged, staged_per_rank, rank: 
     try:
         items = _write_items(plan, assignment, staged, staged_per_rank)
         written = write_items(job.ckpt, rank, items, job.num_threads, CHECKSUM_BLOCK_BYTES, prefix=prefix,
-                              hold=hold)
+                              hold=hold, in_place=job.background)
         per_rank = dict(plan.per_rank)
         for it in items:
             if isinstance(it.key, RankValueKey):

@@ -14,7 +14,8 @@ import threading
 import time
 import warnings
 from collections.abc import Container, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,30 +76,44 @@ def checksum(data) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-def _write_hashed(writer, chunks: Iterable[memoryview], block: int) -> tuple[tuple[int, ...], float]:
+def _write_hashed(writer, chunks: Iterable[memoryview], block: int,
+                  beside: Executor | None = None) -> tuple[tuple[int, ...], float]:
     """Hash a piece (the checksum of each `block`) and write it: its bytes come in `chunks` (one for
     a host tensor, several through a `Bounce` for a device tensor), handed to the writer
     `writer.write_bytes` at a time, each part hashed just before it is written (the writer then
-    copies bytes still in the core's cache); a chunk the writer takes in place (no copy), or any
-    chunk for a writer that prefers large writes (`write_bytes` None), goes whole, hashed first.
-    Returns the checksums and the seconds spent hashing."""
+    copies bytes still in the core's cache); a writer that prefers large writes (`write_bytes`
+    None) gets each chunk whole, hashed first. Given `beside` (an executor), a chunk the writer can
+    take in place (no copy) goes whole to `write_in_place` there while this thread hashes the same
+    bytes. Returns the checksums and the seconds spent hashing."""
     sums, hashing = [], 0.0
     h, in_block = xxhash.xxh3_64(), 0  # streaming XXH3: a block's digest equals `checksum` of its bytes
+
+    def hash_part(part: memoryview) -> None:
+        nonlocal h, in_block, hashing
+        t0 = time.perf_counter()
+        i = 0
+        while i < len(part):
+            take = min(block - in_block, len(part) - i)
+            h.update(part[i:i + take])
+            in_block, i = in_block + take, i + take
+            if in_block == block:
+                sums.append(h.intdigest())
+                h, in_block = xxhash.xxh3_64(), 0
+        hashing += time.perf_counter() - t0
+
     for data in chunks:
-        step = None if writer.writes_in_place(data) else writer.write_bytes
-        step = step or max(len(data), 1)
+        if beside is not None and writer.can_write_in_place(data):
+            written = beside.submit(writer.write_in_place, data)
+            try:
+                hash_part(data)
+            finally:
+                futures_wait([written])  # the bytes stay the caller's until the device has them
+            written.result()
+            continue
+        step = writer.write_bytes or max(len(data), 1)
         for lo in range(0, len(data), step):
             part = data[lo:lo + step]
-            t0 = time.perf_counter()
-            i = 0
-            while i < len(part):
-                take = min(block - in_block, len(part) - i)
-                h.update(part[i:i + take])
-                in_block, i = in_block + take, i + take
-                if in_block == block:
-                    sums.append(h.intdigest())
-                    h, in_block = xxhash.xxh3_64(), 0
-            hashing += time.perf_counter() - t0
+            hash_part(part)
             writer.write(part)
     if in_block or not sums:
         sums.append(h.intdigest())
@@ -167,8 +182,14 @@ def _split_files(items: list[WriteItem], num_files: int) -> list[list[WriteItem]
 
 
 def write_items(storage: Storage, rank: int, items: list[WriteItem], num_files: int,
-                block: int, prefix: str = "", hold=None) -> list[WrittenPiece]:
+                block: int, prefix: str = "", hold=None, in_place: bool = False) -> list[WrittenPiece]:
     """Write this rank's pieces into up to `num_files` files in parallel; report where each landed.
+
+    `in_place`: large host pieces go to a writer that can take them from their memory (direct
+    I/O) without a copy, the files laid out for it (`_layout`); for saves beside training, where
+    the copy's CPU is taken from training. A save the caller waits for copies them into the
+    writer's small buffers instead: on the development VM (a Firecracker guest) that wrote 512 MiB
+    in 0.27-0.30 s against 0.36-0.38 s in place, for 0.13 s of CPU against 0.09.
 
     `hold(tensor)`, if given, is a context manager yielding the tensor whose bytes to write for an
     item's tensor (a lazy snapshot's live source or its copy, staging.LazyCopy.hold); the bytes are
@@ -185,8 +206,11 @@ def write_items(storage: Storage, rank: int, items: list[WriteItem], num_files: 
             rel = f"data/{prefix}r{rank}_{k}.safetensors"
             writer = storage.open_writer(rel)
             placed = []
+            # writes in place run here while the file's thread hashes the same bytes (no thread
+            # is started for a writer that never writes in place)
+            beside = ThreadPoolExecutor(1, thread_name_prefix="bcp-in-place") if in_place else None
             try:
-                order, header = _layout(bins[k], writer.align)
+                order, header = _layout(bins[k], writer.align if in_place else 0)
                 writer.write(memoryview(header))
                 pos = len(header)
                 for it in order:
@@ -198,10 +222,10 @@ def write_items(storage: Storage, rank: int, items: list[WriteItem], num_files: 
                         n = t.numel() * t.element_size()
                         t0 = time.time()
                         if t.device.type == "cpu":
-                            sums, hashing = _write_hashed(writer, (tensor_bytes(t),), block)
+                            sums, hashing = _write_hashed(writer, (tensor_bytes(t),), block, beside)
                         else:  # a synchronous save of device state: through pinned chunks
                             with bounce(t.device) as b, contextlib.closing(b.download(t)) as chunks:
-                                sums, hashing = _write_hashed(writer, chunks, block)
+                                sums, hashing = _write_hashed(writer, chunks, block, beside)
                         rec = metrics.current()
                         if rec is not None:  # hashing is spread over the write: its total, from the piece's start
                             rec.add("write", t0, time.time(), n)
@@ -213,6 +237,9 @@ def write_items(storage: Storage, rank: int, items: list[WriteItem], num_files: 
             except BaseException as e:
                 writer.abort()
                 raise StorageError(f"rank {rank}: writing {storage.join(rel)} failed: {e}") from e
+            finally:
+                if beside is not None:
+                    beside.shutdown()  # idle: every write handed to it was waited for
             return placed
 
         placed = [p for ps in pool.map(metrics.bind(write_file), range(len(bins))) for p in ps]

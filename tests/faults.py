@@ -155,10 +155,18 @@ class _FaultyWriter(FileWriter):
         self.inner, self.faults, self.started = inner, faults, False
         self.write_bytes, self.align = inner.write_bytes, inner.align  # the engine writes as it would to inner
 
-    def writes_in_place(self, data: memoryview) -> bool:
-        return self.inner.writes_in_place(data)
+    def can_write_in_place(self, data: memoryview) -> bool:
+        return self.inner.can_write_in_place(data)
 
     def write(self, data: memoryview) -> None:
+        self._fault()
+        self.inner.write(data)
+
+    def write_in_place(self, data: memoryview) -> None:
+        self._fault()
+        self.inner.write_in_place(data)
+
+    def _fault(self) -> None:
         if not self.started:
             self.started = True
             for fault in self.faults:
@@ -166,7 +174,6 @@ class _FaultyWriter(FileWriter):
                     time.sleep(fault.seconds)
         if any(f.kind == "write" for f in self.faults):
             raise OSError(errno.ENOSPC, f"No space left on device (fault injected by {ENV})")
-        self.inner.write(data)
 
     def close(self) -> None:
         self.inner.close()

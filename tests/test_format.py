@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -39,10 +40,11 @@ def test_metadata_and_data_files_match_the_spec(tmp_path):
 
 
 def test_large_pieces_start_where_direct_io_takes_them_from_memory(tmp_path):
-    """docs/format.md: a data file written with direct I/O has its data start at a multiple of 4096
-    and each large host piece at a file offset agreeing with its tensor's address modulo 4096,
-    behind zero-byte `__padding_<k>` entries; safetensors reads every piece, `bcp verify` passes,
-    and a load gives the tensors back."""
+    """docs/format.md: a data file an asynchronous save writes with direct I/O has its data start
+    at a multiple of 4096 and each large host piece at a file offset agreeing with its tensor's
+    address (and its staging copy's) modulo 4096, behind zero-byte `__padding_<k>` entries;
+    safetensors reads every piece, `bcp verify` passes, and a load gives the tensors back. A
+    synchronous save copies through the writer's buffers: no padding."""
     from bcp_core.storage import local
     from bcp_core.tools import cli
     try:
@@ -53,7 +55,7 @@ def test_large_pieces_start_where_direct_io_takes_them_from_memory(tmp_path):
     # views at element offsets whose addresses differ modulo 4096 (and are not all multiples of 8)
     state = {f"t{i}": base[off:off + (1 << 18) + 1000 * i] for i, off in enumerate((0, 3, 1000, (1 << 20) + 7))}
     state["small"] = torch.arange(10.0)
-    bcp.save(str(tmp_path / "ck"), state).wait()
+    bcp.save(str(tmp_path / "ck"), state, async_save=True).wait()
     ck = tmp_path / "ck"
     raw = json.loads((ck / "bcp_metadata.json").read_text())
     for fqn, t in state.items():
@@ -72,6 +74,31 @@ def test_large_pieces_start_where_direct_io_takes_them_from_memory(tmp_path):
     out = {k: torch.zeros_like(v) for k, v in state.items()}
     bcp.load(str(ck), out)
     assert all(torch.equal(out[k], state[k]) for k in state)
+    bcp.save(str(tmp_path / "sync"), state).wait()
+    (name,) = json.loads((tmp_path / "sync" / "bcp_metadata.json").read_text())["files"]
+    with safe_open(str(tmp_path / "sync" / name), "pt") as f:
+        assert not [k for k in f.keys() if k.startswith("__padding_")]
+
+
+def test_staging_copies_sit_at_their_sources_offset_in_a_page():
+    """host_buffer: a large host tensor's staging copy starts at the source's address modulo a page
+    (a save lays its files out for either, engine._layout), in memory of its own; small ones and
+    sources not aligned to their element size get a plain tensor."""
+    import mmap
+
+    from bcp_core.host_memory import SAME_PAGE_OFFSET_BYTES, host_buffer
+    for off in (0, 1, 17, 1000):
+        base = torch.randn(SAME_PAGE_OFFSET_BYTES // 2)
+        src = base[off:off + SAME_PAGE_OFFSET_BYTES // 4].view(-1, 16)
+        buf = host_buffer(src)
+        assert buf.shape == src.shape and buf.dtype == src.dtype and buf.is_contiguous()
+        assert (buf.data_ptr() - src.data_ptr()) % mmap.PAGESIZE == 0, off
+        buf.copy_(src)
+        base.zero_()
+        assert buf.count_nonzero() > 0  # not a view of the source
+    assert host_buffer(torch.zeros(16)).numel() == 16
+    odd = torch.zeros(SAME_PAGE_OFFSET_BYTES + 1, dtype=torch.uint8)[1:].view(torch.uint8)
+    assert host_buffer(odd).shape == odd.shape
 
 
 def test_codec_round_trip():
@@ -169,18 +196,27 @@ def test_pieces_are_hashed_per_block_and_written_in_the_parts_the_writer_asks_fo
     """engine._write_hashed: whatever part size the writer asks for (None: the whole piece), every
     byte is written once, in order, in parts of at most that size, and the checksums are those of
     each block of the piece, as docs/format.md defines them (the empty piece: one, of no bytes).
-    A chunk the writer takes in place goes whole."""
+    Given an executor, a chunk the writer takes in place goes whole to `write_in_place`, there."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from bcp_core.engine import _write_hashed, checksum
     from bcp_core.storage import FileWriter
+
+    beside = ThreadPoolExecutor(1) if in_place else None
 
     class Writer(FileWriter):
         def __init__(self):
             self.write_bytes, self.parts = write_bytes, []
 
-        def writes_in_place(self, data):
+        def can_write_in_place(self, data):
             return in_place
 
+        def write_in_place(self, data):
+            assert threading.current_thread() is not threading.main_thread()
+            self.parts.append(bytes(data))
+
         def write(self, data):
+            assert not in_place
             self.parts.append(bytes(data))
 
         def close(self):
@@ -193,15 +229,16 @@ def test_pieces_are_hashed_per_block_and_written_in_the_parts_the_writer_asks_fo
     for size, block in [(0, 16), (1, 16), (15, 16), (16, 16), (17, 16), (4097, 1024), ((3 << 20) + 5, 1 << 20)]:
         data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
         w = Writer()
-        sums, _ = _write_hashed(w, (memoryview(data),), block)
+        sums, _ = _write_hashed(w, (memoryview(data),), block, beside)
         assert b"".join(w.parts) == data, (size, block)
         whole = not write_bytes or in_place
-        assert len(w.parts) == (int(size > 0) if whole else max(1, math.ceil(size / write_bytes)) if size else 0)
+        assert len(w.parts) == (int(size > 0 or in_place) if whole else
+                                max(1, math.ceil(size / write_bytes)) if size else 0)
         assert all(len(p) <= (size if whole else write_bytes) for p in w.parts)
         expect = tuple(checksum(data[i:i + block]) for i in range(0, size, block)) or (checksum(b""),)
         assert sums == expect, (size, block)
         # the same piece arriving in chunks (a device tensor through pinned chunks): same bytes, same sums
         cuts = sorted({0, size, *rng.integers(0, size + 1, 3).tolist()})
         w = Writer()
-        sums, _ = _write_hashed(w, [memoryview(data)[a:b] for a, b in zip(cuts, cuts[1:])], block)
+        sums, _ = _write_hashed(w, [memoryview(data)[a:b] for a, b in zip(cuts, cuts[1:])], block, beside)
         assert b"".join(w.parts) == data and sums == expect, (size, block, cuts)

@@ -534,10 +534,11 @@ def test_local_direct_writes_hold_every_byte(tmp_path, small_io, chunk):
 
 
 def test_direct_writes_take_large_buffers_in_place(tmp_path, small_io, monkeypatch):
-    """A large buffer whose address agrees with the file position modulo ALIGN goes to the device
-    from the caller's memory: only its unaligned ends pass through the aligned buffers, and every
-    byte lands, whatever was written before and after it. A device refusing it (EINVAL) gets it
-    buffered; a device error (ENOSPC) fails the file, and abort leaves nothing behind."""
+    """write_in_place of a large buffer whose address agrees with the file position modulo ALIGN
+    sends it to the device from the caller's memory: only its unaligned ends pass through the
+    aligned buffers, and every byte lands, whatever was written before and after it (a plain
+    `write` copies it all). A device refusing it (EINVAL) gets it buffered; a device error (ENOSPC)
+    fails the file, and abort leaves nothing behind."""
     if not _direct_io_here(tmp_path):
         pytest.skip(f"{tmp_path} has no O_DIRECT")
     import errno
@@ -558,14 +559,18 @@ def test_direct_writes_take_large_buffers_in_place(tmp_path, small_io, monkeypat
         before = os.urandom(head)
         w.write(memoryview(before))
         data = aligned_slice(head, 2 * local.IN_PLACE_BYTES + 777)
-        assert w.writes_in_place(data)
-        assert not w.writes_in_place(data[1:]) and not w.writes_in_place(data[:local.IN_PLACE_BYTES - 1])
+        assert w.can_write_in_place(data)
+        assert not w.can_write_in_place(data[1:]) and not w.can_write_in_place(data[:local.IN_PLACE_BYTES - 1])
         copied.clear()
-        w.write(data)
+        w.write_in_place(data)
         assert 0 < sum(copied) < 2 * local.ALIGN or (head % local.ALIGN == 0 and sum(copied) == 777), copied
+        plain = aligned_slice(w.pos, local.IN_PLACE_BYTES)
+        copied.clear()
+        w.write(plain)  # could go in place, but was not asked to
+        assert sum(copied) == len(plain)
         w.write(memoryview(b"tail"))
         w.close()
-        assert (tmp_path / f"f{head}").read_bytes() == before + bytes(data) + b"tail"
+        assert (tmp_path / f"f{head}").read_bytes() == before + bytes(data) + bytes(plain) + b"tail"
 
     real_pwrite = os.pwrite
     for err in (errno.EINVAL, errno.ENOSPC):
@@ -578,12 +583,12 @@ def test_direct_writes_take_large_buffers_in_place(tmp_path, small_io, monkeypat
         w.write(memoryview(b"head"))
         data = aligned_slice(4, 2 * local.IN_PLACE_BYTES)
         if err == errno.EINVAL:
-            w.write(data)
+            w.write_in_place(data)
             w.close()
             assert not w.direct and (tmp_path / f"e{err}").read_bytes() == b"head" + bytes(data)
         else:
             with pytest.raises(OSError, match="No space left"):
-                w.write(data)
+                w.write_in_place(data)
             w.abort()
             assert not (tmp_path / f"e{err}").exists()
     monkeypatch.setattr(local.os, "pwrite", real_pwrite)

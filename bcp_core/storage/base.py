@@ -125,9 +125,8 @@ class FileWriter(ABC):
     them into parallel chunks).
 
     `align`: nonzero for a writer that can send a buffer of at least `IN_PLACE_BYTES` to storage
-    from the caller's memory, without a copy, when its address and the file position agree modulo
-    `align` (direct I/O); `writes_in_place(data)` says whether the next `write(data)` would, and
-    callers lay files out so that large pieces land so.
+    from the caller's memory, without a copy (`write_in_place`), when its address and the file
+    position agree modulo `align` (direct I/O); callers lay files out so that large pieces land so.
     """
 
     write_bytes: int | None = None
@@ -136,10 +135,15 @@ class FileWriter(ABC):
     @abstractmethod
     def write(self, data: memoryview) -> None: ...
 
-    def writes_in_place(self, data: memoryview) -> bool:
-        """Whether `write(data)`, called next, would take the bulk of `data` from the caller's memory
-        (no copy): the caller then hands it over whole."""
+    def can_write_in_place(self, data: memoryview) -> bool:
+        """Whether `write_in_place(data)`, called next, would take the bulk of `data` from the
+        caller's memory (no copy)."""
         return False
+
+    def write_in_place(self, data: memoryview) -> None:
+        """`write`, taking the bulk of `data` from the caller's memory where `can_write_in_place`
+        says so: `data` must not change until this returns."""
+        self.write(data)
 
     @abstractmethod
     def close(self) -> None: ...

@@ -123,9 +123,9 @@ class _LocalWriter(FileWriter):
     Direct I/O: the bytes are copied into a page-aligned buffer (`_ALIGNED`); a full buffer is
     written by a thread of the writer's own while the next one fills, so copying and the device
     overlap and writes of any size cost one copy (`write_bytes`: the engine hands over 1 MiB at a
-    time, just hashed). A write of at least `IN_PLACE_BYTES` whose address agrees with the file
-    position modulo `ALIGN` (the engine lays files out so) costs none: its aligned bulk goes to the
-    device from the caller's memory before `write` returns, its ends through the buffers. The
+    time, just hashed). `write_in_place` of at least `IN_PLACE_BYTES` whose address agrees with the
+    file position modulo `ALIGN` (the engine lays files out so) copies nothing: its aligned bulk
+    goes to the device from the caller's memory before it returns, its ends through the buffers. The
     last, partial block goes out padded at `close`, and the file is cut to size. Buffered (no
     direct I/O here, or memory://): each write is cut into `chunk_bytes` chunks written by
     parallel threads, so the engine hands over whole pieces (`write_bytes` None).
@@ -162,25 +162,31 @@ class _LocalWriter(FileWriter):
         self.pool: ThreadPoolExecutor | None = None
 
     def write(self, data: memoryview) -> None:
+        self._write(data, in_place=False)
+
+    def write_in_place(self, data: memoryview) -> None:
+        self._write(data, in_place=True)
+
+    def can_write_in_place(self, data: memoryview) -> bool:
+        return bool(self.direct and len(data) >= IN_PLACE_BYTES and (_address(data) - self.pos) % ALIGN == 0)
+
+    def _write(self, data: memoryview, in_place: bool) -> None:
         if self.fd is None:  # direct I/O would take the bytes into a buffer that is never written
             raise StorageError(f"rank {this_rank()}: write to {self.path} after it was closed or aborted")
         data = memoryview(data).cast("B")
         if self.direct:
-            data = self._write_direct(data)
+            data = self._write_direct(data, in_place and self.can_write_in_place(data))
             if not len(data):
                 return
         pos = self.pos
         run_all([lambda lo=lo, hi=hi: _pwrite_all(self.fd, data[lo:hi], pos + lo) for lo, hi in chunks(len(data))])
         self.pos += len(data)
 
-    def writes_in_place(self, data: memoryview) -> bool:
-        return bool(self.direct and len(data) >= IN_PLACE_BYTES and (_address(data) - self.pos) % ALIGN == 0)
-
-    def _write_direct(self, data: memoryview) -> memoryview:
-        """Write `data` in place if it can (`writes_in_place`), else through the aligned buffers.
-        Returns what is left to write buffered if the device refused direct I/O (EINVAL: another
-        alignment)."""
-        if not self.writes_in_place(data):
+    def _write_direct(self, data: memoryview, in_place: bool) -> memoryview:
+        """Write `data` in place (its aligned bulk from the caller's memory), or through the aligned
+        buffers. Returns what is left to write buffered if the device refused direct I/O (EINVAL:
+        another alignment)."""
+        if not in_place:
             return self._copy_in(data)
         head = -self.pos % ALIGN  # up to the next aligned offset: into the buffer being filled
         body = (len(data) - head) // ALIGN * ALIGN
