@@ -596,6 +596,42 @@ def test_direct_writes_take_large_buffers_in_place(tmp_path, small_io, monkeypat
     assert not left, left  # the failed file's temporary is gone
 
 
+def test_pages_shared_with_a_forked_process_are_not_written_in_place(tmp_path):
+    """A page a forked process still shares copy-on-write would be copied by the kernel if pinned for
+    a direct write from it: while a child shares a buffer's pages they go through the writer's
+    buffers (can_write_in_place is False); once the parent has written them again, in place. The
+    bytes land either way."""
+    if not _direct_io_here(tmp_path):
+        pytest.skip(f"{tmp_path} has no O_DIRECT")
+    import multiprocessing as mp
+
+    from bcp_core.storage import local
+    st = bst.storage_for(str(tmp_path))
+    n = 2 * local.IN_PLACE_BYTES
+    big = np.random.default_rng(1).integers(0, 256, 2 * n + local.ALIGN, dtype=np.uint8)
+    start = -big.ctypes.data % local.ALIGN  # agrees with file position 0
+    first, second = memoryview(big)[start:start + n], memoryview(big)[start + n:start + 2 * n]
+    w = st.open_writer("f")
+    assert w.can_write_in_place(first)
+    ctx = mp.get_context("fork")
+    release = ctx.Event()
+    child = ctx.Process(target=release.wait, args=(60,))
+    child.start()
+    try:
+        assert not w.can_write_in_place(first)
+        written = bytes(first)
+        w.write_in_place(first)  # through the buffers
+        assert not w.can_write_in_place(second)  # still shared
+        big[start + n:start + 2 * n] ^= 0xFF  # the parent writes these pages: its own copies now
+        assert w.can_write_in_place(second)
+        w.write_in_place(second)
+    finally:
+        release.set()
+        child.join(30)
+    w.close()
+    assert (tmp_path / "f").read_bytes() == written + bytes(second)
+
+
 def test_direct_io_falls_back_to_buffered_writes(tmp_path, small_io, monkeypatch):
     """A filesystem without direct I/O (EINVAL at open) or a device wanting another alignment
     (EINVAL at a write) gets buffered writes; no byte is lost. memory:// and
