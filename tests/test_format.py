@@ -74,10 +74,16 @@ def test_large_pieces_start_where_direct_io_takes_them_from_memory(tmp_path):
     out = {k: torch.zeros_like(v) for k, v in state.items()}
     bcp.load(str(ck), out)
     assert all(torch.equal(out[k], state[k]) for k in state)
+    # a synchronous save, and a fork snapshot's child (its pages shared with the parent), copy
+    # through the writer's buffers: no padding
     bcp.save(str(tmp_path / "sync"), state).wait()
-    (name,) = json.loads((tmp_path / "sync" / "bcp_metadata.json").read_text())["files"]
-    with safe_open(str(tmp_path / "sync" / name), "pt") as f:
-        assert not [k for k in f.keys() if k.startswith("__padding_")]
+    forked = bcp.save(str(tmp_path / "fork"), state, async_save=True, snapshot="fork", role="fork-layout")
+    forked.wait()
+    assert any(r["phase"] == "snapshot" for r in forked.metrics)  # it forked (plain tensors: no lazy copy)
+    for ck in (tmp_path / "sync", tmp_path / "fork"):
+        (name,) = json.loads((ck / "bcp_metadata.json").read_text())["files"]
+        with safe_open(str(ck / name), "pt") as f:
+            assert not [k for k in f.keys() if k.startswith("__padding_")], ck
 
 
 def test_staging_copies_sit_at_their_sources_offset_in_a_page():

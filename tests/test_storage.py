@@ -598,9 +598,9 @@ def test_direct_writes_take_large_buffers_in_place(tmp_path, small_io, monkeypat
 
 def test_pages_shared_with_a_forked_process_are_not_written_in_place(tmp_path):
     """A page a forked process still shares copy-on-write would be copied by the kernel if pinned for
-    a direct write from it: while a child shares a buffer's pages they go through the writer's
-    buffers (can_write_in_place is False); once the parent has written them again, in place. The
-    bytes land either way."""
+    a direct write from it: while a child shares a buffer's pages, can_write_in_place refuses them
+    (the engine then writes them through the buffers); once the parent has written them again, in
+    place. The bytes land either way."""
     if not _direct_io_here(tmp_path):
         pytest.skip(f"{tmp_path} has no O_DIRECT")
     import multiprocessing as mp
@@ -620,7 +620,7 @@ def test_pages_shared_with_a_forked_process_are_not_written_in_place(tmp_path):
     try:
         assert not w.can_write_in_place(first)
         written = bytes(first)
-        w.write_in_place(first)  # through the buffers
+        w.write(first)  # what the engine does then: through the buffers
         assert not w.can_write_in_place(second)  # still shared
         big[start + n:start + 2 * n] ^= 0xFF  # the parent writes these pages: its own copies now
         assert w.can_write_in_place(second)

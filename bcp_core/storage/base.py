@@ -141,8 +141,8 @@ class FileWriter(ABC):
         return False
 
     def write_in_place(self, data: memoryview) -> None:
-        """`write`, taking the bulk of `data` from the caller's memory where `can_write_in_place`
-        says so: `data` must not change until this returns."""
+        """`write`, taking the bulk of `data` from the caller's memory: for `data` that
+        `can_write_in_place` has just accepted, and which must not change until this returns."""
         self.write(data)
 
     @abstractmethod

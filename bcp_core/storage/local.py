@@ -191,15 +191,19 @@ class _LocalWriter(FileWriter):
         self._write(data, in_place=True)
 
     def can_write_in_place(self, data: memoryview) -> bool:
-        return bool(self.direct and len(data) >= IN_PLACE_BYTES and (_address(data) - self.pos) % ALIGN == 0
-                    and _exclusively_mapped(data))
+        return self._aligned(data) and _exclusively_mapped(data)
+
+    def _aligned(self, data: memoryview) -> bool:
+        return bool(self.direct and len(data) >= IN_PLACE_BYTES and (_address(data) - self.pos) % ALIGN == 0)
 
     def _write(self, data: memoryview, in_place: bool) -> None:
         if self.fd is None:  # direct I/O would take the bytes into a buffer that is never written
             raise StorageError(f"rank {this_rank()}: write to {self.path} after it was closed or aborted")
         data = memoryview(data).cast("B")
         if self.direct:
-            data = self._write_direct(data, in_place and self.can_write_in_place(data))
+            # the pages' sharing was checked by the caller's can_write_in_place (it costs a read of
+            # their flags); the alignment direct I/O needs is checked here
+            data = self._write_direct(data, in_place and self._aligned(data))
             if not len(data):
                 return
         pos = self.pos
