@@ -141,7 +141,6 @@ class SaveJob:
     staged_per_rank: list | None = None
     writable: set | None = None                  # boxes this rank staged, if not all it holds
     lazy: LazyCopy | None = None                 # the staged copies still being made (lazy snapshot)
-    background: bool = False                     # an async save: it writes beside training (engine: in_place)
     step_phase: str = "queued"                   # where the job is, for messages at exit
 
 
@@ -287,7 +286,6 @@ class Checkpointer:
             if job.cached is not None:
                 self._plans.move_to_end(job.plan.key)
                 self.stats["cache_hits"] += 1
-        job.background = async_save
         if async_save:
             if snapshot == "fork" and self._pool_is_cold(job) and can_fork(job.ckpt, _plan_tensors(job.plan)):
                 self._fork(job)
@@ -487,7 +485,7 @@ class Checkpointer:
             # from the child's copy of the state, as of the fork; not in place: its pages are shared
             # with the parent, and pinning them for the device would make the kernel copy each one
             # (5-8x the child's CPU of a copy through the writer's buffers, measured)
-            report = rec.run(lambda: _write(job, assignment, None, None, rank, orders["prefix"], in_place=False))
+            report = rec.run(lambda: _write(job, assignment, None, None, rank, orders["prefix"]))
             return {"report": codec.to_wire(report), "metrics": rec.records()}
 
         job.snapshot = ForkSnapshot.start(write_in_child, timeout=job.timeout.total_seconds())
@@ -569,8 +567,10 @@ class Checkpointer:
         assignment = job.agreed.assignment
         if job.snapshot is None:
             staged = None if job.staged is None else [job.staged[tuple(tb)] for tb in assignment.boxes]
+            # staged: an async save, beside training, so written in place (a synchronous one, which
+            # the caller waits for, is faster through the writer's buffers)
             report = _write(job, assignment, staged, job.staged_per_rank, rank, prefix,
-                            hold=job.lazy.hold if job.lazy is not None else None)
+                            hold=job.lazy.hold if job.lazy is not None else None, in_place=staged is not None)
             if job.lazy is not None:
                 job.lazy.retire()
                 rec = metrics.current()
@@ -697,14 +697,14 @@ def _write_items(plan: LocalSavePlan, assignment: Assignment, staged: list[torch
 
 
 def _write(job: SaveJob, assignment: Assignment, staged, staged_per_rank, rank: int, prefix: str,
-           hold=None, in_place: bool | None = None) -> WriteReport:
+           hold=None, in_place: bool = False) -> WriteReport:
     """Write this rank's pieces; the report the coordinator commits from (an error is reported too).
-    In place (engine.write_items) for a save beside training unless `in_place` says otherwise."""
+    `in_place`: for a save beside training (engine.write_items)."""
     plan = job.plan
     try:
         items = _write_items(plan, assignment, staged, staged_per_rank)
         written = write_items(job.ckpt, rank, items, job.num_threads, CHECKSUM_BLOCK_BYTES, prefix=prefix,
-                              hold=hold, in_place=job.background if in_place is None else in_place)
+                              hold=hold, in_place=in_place)
         per_rank = dict(plan.per_rank)
         for it in items:
             if isinstance(it.key, RankValueKey):

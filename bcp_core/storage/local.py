@@ -71,8 +71,8 @@ def _exclusively_mapped(data: memoryview) -> bool:
     be copied by the kernel when pinned for a direct write from it; such bytes go through the
     buffers instead. Reading the page flags took 2 ms per 256 MiB on the development VM; False
     where they cannot be read (no /proc)."""
-    page = mmap.PAGESIZE
-    first, last = _address(data) // page, (_address(data) + len(data) - 1) // page
+    page, at = mmap.PAGESIZE, _address(data)
+    first, last = at // page, (at + len(data) - 1) // page
     try:
         fd = os.open("/proc/self/pagemap", os.O_RDONLY)  # per call: a descriptor kept would name the parent in a fork
         try:
