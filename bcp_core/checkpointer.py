@@ -49,15 +49,16 @@ import torch
 from . import codec, metrics
 from .adapters import resolve_framework
 from .comm import DEFAULT_TIMEOUT, Comm, comm_for
-from .engine import WriteItem, write_items
+from .engine import write_items
 from .errors import BCPError, CommitCallbackError, CommTimeoutError, MetadataError, PreviousSaveError, SaveError
 from .flatten import save_leaves
 from .layout import BCP_STEPS, write_tracker
 from .metadata import CHECKSUM_BLOCK_BYTES, FAILED_FILE, METADATA_FILE, dtype_name
-from .save_planner import (Assignment, Committed, GatheredRequests, GlobalSavePlan, LocalSavePlan, ObjectShardKey,
+from .plan_records import (Assignment, Committed, GatheredRequests, GlobalSavePlan, LocalSavePlan, ObjectShardKey,
                            PlanReply, PlanRequest, RankValueKey, ResendStructure, SaveFailed, SaveId, TensorBoxKey,
-                           UseCachedPlan, WriteReport, build_metadata, failed_report, global_save_plan,
-                           local_save_plan, merge_plan_messages, plan_message, plan_replies, read_plan_messages)
+                           UseCachedPlan, WriteItem, WriteReport)
+from .save_planner import (build_metadata, global_save_plan, local_save_plan, merge_plan_messages, plan_message,
+                           plan_replies, read_plan_messages)
 from .snapshot import ForkSnapshot, can_fork
 from .host_memory import ordered_after_callers
 from .staging import LazyCopy, StagingPool, box_sources, contiguous_cpu, on_host_or_cuda, pool_key
@@ -549,12 +550,12 @@ class Checkpointer:
         try:
             report = self._write_pieces(comm, job)
         except Exception as e:  # noqa: BLE001 - reported to the coordinator, so every rank fails alike
-            report = failed_report(job.save, _rank_error(comm.rank, e))
+            report = WriteReport.failed(job.save, _rank_error(comm.rank, e))
         try:
             self._release(job)
         except Exception as e:  # noqa: BLE001 - as above
             if report.error is None:
-                report = failed_report(job.save, _rank_error(comm.rank, e))
+                report = WriteReport.failed(job.save, _rank_error(comm.rank, e))
         job.step_phase = "committing"
         return self._commit(comm, job, report, op)
 
@@ -684,10 +685,11 @@ def _write_items(plan: LocalSavePlan, assignment: Assignment, staged: list[torch
         items.append(WriteItem(f"{fqn}@{','.join(map(str, box.offsets))}", data,
                                TensorBoxKey(fqn, tuple(box.offsets), tuple(box.lengths))))
     for i in assignment.shards:
-        fqn, _, index = plan.structure.sharded_objects[i]
+        shard = plan.structure.sharded_objects[i]
         raw = plan.shard_values[i]
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-        items.append(WriteItem(f"{fqn}@{','.join(map(str, index))}", data, ObjectShardKey(fqn, tuple(index))))
+        items.append(WriteItem(f"{shard.fqn}@{','.join(map(str, shard.index))}", data,
+                               ObjectShardKey(shard.fqn, shard.index)))
     # Each rank writes its own per-rank tensors (RNG states: small); identical ones share one
     # piece in the metadata.
     for fqn, t in per_rank if per_rank is not None else plan.per_rank_tensors:
@@ -712,7 +714,7 @@ def _write(job: SaveJob, assignment: Assignment, staged, staged_per_rank, rank: 
         return WriteReport(job.save, plan.key, plan.objects, per_rank, plan.shard_digests, plan.object_digests,
                            tuple(written))
     except Exception as e:  # noqa: BLE001 - reported to the coordinator
-        return failed_report(job.save, _rank_error(rank, e))
+        return WriteReport.failed(job.save, _rank_error(rank, e))
 
 
 @gc_paused  # one record per rank, each holding large lists: see utils.gc_paused

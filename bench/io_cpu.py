@@ -132,7 +132,8 @@ def _probes() -> ThreadCPU:
     from bcp_core.storage import local
     probe = ThreadCPU()
     probe.wrap(engine, "_checksum_blocks", "hash")  # bcp before hashing was fused with the writes
-    probe.wrap(engine, "_write_hashed", "hash")  # hashing and handing the steps over, less the copies
+    # hashing and handing the steps over, less the copies (engine.write since the engine was split in two)
+    probe.wrap(getattr(engine, "write", engine), "_write_hashed", "hash")
     probe.wrap(staging.LazyCopy, "_copy", "snapshot_copy")
     probe.wrap(local, "_copy", "copy")
     probe.wrap(local, "_pwrite_all", "write_syscalls")
