@@ -67,7 +67,7 @@ def _patched(obj, name, replacement):
 
 
 def _scenarios(rank, world_size, base):
-    from bcp_core import checkpointer, save_planner
+    from bcp_core import checkpointer, save_planner, save_rounds
     from bcp_core.storage import local
     out = {}
 
@@ -174,7 +174,7 @@ def _scenarios(rank, world_size, base):
             return original(*args, **kwargs)
         return plan
     with _patched(save_planner, "global_save_plan", slow_plan), \
-            _patched(checkpointer, "global_save_plan", slow_plan):
+            _patched(save_rounds, "global_save_plan", slow_plan):
         h1 = bcp.save(root, _state(rank, 1), step=1, async_save=True, role="early")
         if rank == 0:
             h1.wait()  # the coordinator holds the plan when it calls the second save
