@@ -5,6 +5,9 @@
     handle.wait()
     bcp.prepare_save(state, async_save=True)  # optional: first async save stalls like later ones
     bcp.load(path, state)                     # in place, at any world size / sharding
+    tiers = bcp.Tiers("memory://run", durable="/shared/run", replicas=1, persist_every=4)
+    bcp.save(tiers, state, step=n, async_save=True)   # memory + a replica on another node; disk every 4th
+    bcp.load(tiers, state)                    # the newest whole step, from memory, peers or disk
     bcp.inspect(path)                         # metadata only
     preemption = bcp.handle_preemption()      # SIGTERM -> last checkpoint at an agreed step -> exit
 
@@ -23,12 +26,13 @@ from .loader import LoadResult
 from .metadata import FORMAT_VERSION, CheckpointMetadata, Piece, TensorMeta
 from .preemption import Preemption, handle_preemption
 from .storage import LocalStorage, Storage, register_storage, storage_for
+from .tiers import Tiers
 
 __version__ = "0.1.0"
 
 __all__ = [
     "save", "prepare_save", "load", "inspect", "resolve", "mutating", "rng", "mapping", "handle_preemption",
-    "Preemption",
+    "Preemption", "Tiers",
     "SaveHandle", "LoadResult", "CheckpointMetadata", "TensorMeta", "Piece", "FORMAT_VERSION",
     "Storage", "LocalStorage", "register_storage", "storage_for",
     "BCPError", "ChecksumError", "CommitCallbackError", "CommTimeoutError", "FormatVersionError",

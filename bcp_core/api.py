@@ -18,6 +18,8 @@ from .loader import LoadResult, load_checkpoint, read_metadata
 from .save_queue import SaveHandle
 from .metadata import CheckpointMetadata
 from .storage import Storage
+from .tiers import Tiers
+from .tiers.recovery import load_tiered
 
 
 # ----------------------------------------------------------------------------- save
@@ -123,6 +125,10 @@ def load(path: str | os.PathLike, state: dict, framework: str = "auto", strict: 
     target tensor is assembled from boxes of the source's tensors, read as any resharded load is;
     optimizer state and the step counter follow their parameters (docs/mapping.md).
     """
+    if isinstance(path, Tiers):
+        return load_tiered(path, state, framework, strict, process_group=process_group, allow_pickle=allow_pickle,
+                           verify_checksums=verify_checksums, num_threads=num_threads or 4, share_reads=share_reads,
+                           timeout=timeout, mapping=mapping)
     return load_checkpoint(path, state, framework, strict, process_group=process_group, allow_pickle=allow_pickle,
                            verify_checksums=verify_checksums, num_threads=num_threads or 4, share_reads=share_reads,
                            timeout=timeout, mapping=mapping)

@@ -46,6 +46,8 @@ from .save_queue import SaveHandle, SaveQueue, previous_error
 from .save_rounds import SaveRounds, check_probes, mark_failed, write_probe
 from .save_snapshot import Snapshots, write_live
 from .storage import storage_for
+from .tiers.memory_tier import TierRuntime, TierSave
+from .tiers.policy import Tiers
 from .utils import cores_per_rank
 
 log = logging.getLogger("bcp")
@@ -65,6 +67,7 @@ class Checkpointer:
         self.snapshots = Snapshots(role, self.queue)
         self._ops = 0          # collective operations of this role so far (saves and prepares)
         self._probed: set[str] = set()  # roots every node was seen to share
+        self._tiers: TierRuntime | None = None  # tiered saves' placements and drains, from the first one
 
     @property
     def stats(self) -> dict:
@@ -82,16 +85,24 @@ class Checkpointer:
             raise ValueError(f"snapshot must be one of {', '.join(map(repr, SNAPSHOTS))}, got {snapshot!r}")
         if keep is not None and (step is None or type(keep) is not int or keep < 1):
             raise ValueError(f"keep={keep!r}: keep needs a step (path is then a root) and must be an integer >= 1")
-        earlier = self.queue.earlier_failures()
+        tiered = isinstance(path, Tiers)
+        if tiered and (step is None or keep is not None):
+            raise ValueError("a save to Tiers needs a step, and keeps steps by Tiers.keep_in_memory and "
+                             f"keep_durable, not keep= (got step={step!r}, keep={keep!r})")
+        earlier = self.queue.earlier_failures() + (self._tiers.drains.queue.earlier_failures() if self._tiers else [])
         comm = comm_for(process_group, self.role)
         # From here on this save takes part in every exchange, whatever fails on this rank.
         self._ops += 1
-        sid = SaveId(self._ops, step, os.fspath(path))
+        sid = SaveId(self._ops, step, path.memory if tiered else os.fspath(path))
         rec = metrics.Recorder("save", comm.rank, sid.path)
         progress = SaveProgress()
         request = SaveRequest(sid, timeout, f"save to {sid.path}", user_metadata=dict(user_metadata or {}),
                               num_threads=num_threads or min(4, cores_per_rank()), on_commit=on_commit, keep=keep,
                               recorder=rec)
+        if tiered:  # before anything can fail: a tiered save's exchanges are taken part in whatever happens
+            if self._tiers is None:
+                self._tiers = TierRuntime(self.role)
+            request = replace(request, tiers=TierSave(path, self._tiers, process_group))
         try:
             request = self._locate(request, fsync)
             adapter = resolve_framework(state, framework)
@@ -166,9 +177,10 @@ class Checkpointer:
 
     @staticmethod
     def _locate(request: SaveRequest, fsync: bool) -> SaveRequest:
-        """The request with its storage: the root its path names, and the checkpoint's directory in it."""
+        """The request with its storage: the root its path names, and the checkpoint's directory in it
+        (a tiered save: this node's memory tier, tiers/)."""
         sid = request.save
-        root = storage_for(sid.path, fsync=fsync)
+        root = request.tiers.tiers.memory_root() if request.tiers is not None else storage_for(sid.path, fsync=fsync)
         tracker_name = BCP_STEPS.name(sid.step) if sid.step is not None else ""
         ckpt = root.child(tracker_name) if tracker_name else root
         return replace(request, root=root, tracker_name=tracker_name, ckpt=ckpt, what=f"save to {ckpt.root}")
@@ -194,8 +206,10 @@ class Checkpointer:
                 progress.phase = "planning"
                 # decided here, not in the call: every earlier save of the role has ended on every rank
                 # by now, so every rank sees the same roots checked
-                progress.probe = request.root is not None and len(set(comm.nodes)) > 1 and \
-                    request.root.root not in self._probed
+                progress.probe = request.root is not None and request.tiers is None and len(set(comm.nodes)) > 1 \
+                    and request.root.root not in self._probed
+                if request.tiers is not None:  # each node's own memory (tiers/memory_tier.py)
+                    request.tiers.before_plan(comm, request, progress, op)
                 write_probe(comm, request, progress)
                 progress.agreed = self.rounds.agree(comm, request, progress, op)
                 if progress.snapshot is not None:
@@ -205,6 +219,8 @@ class Checkpointer:
                 raise
             progress.phase = "writing"
             report = self._write(comm, request, progress)
+            if request.tiers is not None:  # every piece gets its copies on other nodes before the commit
+                report = request.tiers.replicate(comm, request, report)
             try:
                 self._release(progress)
             except Exception as e:  # noqa: BLE001 - reported to the coordinator, so every rank fails alike
@@ -213,7 +229,9 @@ class Checkpointer:
             progress.phase = "committing"
             self.rounds.commit(comm, request, progress, report, op)
         except SaveError as e:  # raised by a round: this save failed on every rank
-            if comm.is_coordinator and progress.phase != "committed" and request.ckpt is not None:
+            # (a tiered save's step directory is on every node: each node's leader marks its own)
+            marks = comm.node_leaders if request.tiers is not None else [0]
+            if comm.rank in marks and progress.phase != "committed" and request.ckpt is not None:
                 mark_failed(request, e)
             raise
         if progress.probe:

@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -183,9 +184,10 @@ class Removal:
 
 
 def prune(root: str | os.PathLike | Storage, keep_last: int, keep_every: int | None = None,
-          naming: StepNaming = BCP_STEPS, dry_run: bool = False) -> Removal:
+          naming: StepNaming = BCP_STEPS, dry_run: bool = False, keep_names: Collection[str] = ()) -> Removal:
     """Remove complete checkpoints except the newest `keep_last`, those whose step is a multiple of
-    `keep_every`, the one the tracker names and the one `load(root)` uses; and incomplete ones older
+    `keep_every`, those named in `keep_names` (still in use: a tiered step being drained), the one
+    the tracker names and the one `load(root)` uses; and incomplete ones older
     than the latest that no save is writing any more (`_abandoned`: failed saves; newer ones, and
     older ones still being written, may be saves in progress). Works on every storage.
 
@@ -201,7 +203,8 @@ def prune(root: str | os.PathLike | Storage, keep_last: int, keep_every: int | N
     entries = [e for e in list_checkpoints(st, naming) if e.name]
     complete = [e for e in entries if e.complete]
     latest = next((e for e in entries if e.latest), None)
-    keep = {e.name for e in complete[-keep_last:]} | {e.name for e in entries if e.tracker or e.latest}
+    keep = {e.name for e in complete[-keep_last:]} | {e.name for e in entries if e.tracker or e.latest} | \
+        set(keep_names)
     if keep_every:
         keep |= {e.name for e in complete if e.step % keep_every == 0}
     now = time.time()

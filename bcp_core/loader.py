@@ -52,6 +52,8 @@ class LoadResult:
     missing: list[str] = field(default_factory=list)     # requested but not in the checkpoint
     unexpected: list[str] = field(default_factory=list)  # in the checkpoint under a requested module/optimizer
     metrics: list[dict] = field(default_factory=list)     # this rank's phase records (docs/monitoring.md)
+    step: int | None = None                               # a tiered root's: the step loaded
+    tier: str | None = None                               # and where from: "memory" or "durable"
 
 
 @metrics.timed("metadata")

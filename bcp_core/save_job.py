@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 from . import metrics
 from .plan_records import Assignment, GlobalSavePlan, LocalSavePlan, SaveId, WriteReport
@@ -35,6 +35,7 @@ class SaveRequest:
     on_commit: Callable[[str], None] | None = None
     keep: int | None = None                      # keep this many newest checkpoints of the root
     recorder: metrics.Recorder | None = None     # this rank's phase timings
+    tiers: Any = None                            # a tiered save: its tiers.memory_tier.TierSave
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class SaveProgress:
     agreed: CachedPlan | None = None             # the plan every rank agreed on
     snapshot: Snapshot | None = None             # async saves: the state as of the call
     probe: bool = False                          # first save of a multi-node job to this root
+    metadata: bytes | None = None                # a tiered save's metadata, made by the coordinator
 
 
 def rank_error(rank: int, e: BaseException) -> str:

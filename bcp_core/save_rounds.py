@@ -161,6 +161,10 @@ class SaveRounds:
             agreed = progress.agreed
             md = build_metadata(agreed.gplan, agreed.rank_keys, reports, request.framework, request.user_metadata)
             ckpt, root = request.ckpt, request.root
+            if request.tiers is not None:  # recorded on every node after this round (tiers/memory_tier.py)
+                progress.metadata = gc_paused(md.dumps)()
+                commit.stop()
+                return Committed(request.save)
             if progress.probe:
                 for node in sorted(set(comm.nodes)):
                     ckpt.remove(PROBE_FILE.format(node))
@@ -184,9 +188,11 @@ class SaveRounds:
             return Committed(request.save)
 
         self.round(comm, request, f"{op}/commit", report, decide)
+        if request.tiers is not None:
+            request.tiers.publish(comm, request, progress, op)
         commit.stop()
         progress.phase = "committed"
-        if comm.is_coordinator and request.tracker_name:
+        if comm.is_coordinator and request.tracker_name and request.tiers is None:
             _tidy_root(request)
         if request.on_commit is not None:
             try:

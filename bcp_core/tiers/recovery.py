@@ -1,0 +1,475 @@
+"""Recovery: `bcp.load(tiers, state)` loads the newest whole step, wherever its pieces survive.
+
+    holdings   each node's leader lists the steps in its memory: the data files it holds, and the
+               metadata where it was recorded (with the files it names)
+    choice     the coordinator takes the newest step whose metadata some node holds and whose every
+               file some node holds; the durable root's latest step instead if it is newer (or if
+               memory has no whole step). Steps are never mixed: every byte comes from one step
+    memory     the metadata goes to every rank (a tree from a node holding it); each rank plans its
+               load against it without reading (load_planner) and names the byte ranges it needs;
+               the coordinator has each range a node lacks sent by a rank of a node holding it (the
+               least loaded), to one rank of the needing node; the ranges travel over the network
+               (transport.py) into sparse copies of their files in a view of the step in the node's
+               memory (the files the node holds linked into it), and the ranks agree that all
+               arrived. Then the ordinary load runs on the view: resharded to this job's layout,
+               every block verified, all or nothing; the view is removed after.
+    durable    the ordinary load of the durable step
+
+Nothing of the caller's state changes before the final load, which itself changes nothing unless
+every byte was read and verified on every rank; every exchange and transfer is bounded by the
+load's timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import xxhash
+
+from .. import codec
+from ..adapters import resolve_framework
+from ..comm import DEFAULT_TIMEOUT, Comm
+from ..engine.read import item_span
+from ..errors import BCPError, IncompleteCheckpointError, NotACheckpointError
+from ..flatten import load_targets
+from ..layout import BCP_STEPS, latest_complete
+from ..load_planner import plan_load
+from ..loader import LoadResult, _load_op, load_checkpoint
+from ..metadata import METADATA_FILE, CheckpointMetadata, read_metadata_file
+from ..shared_reads import LoadFailure, raise_failures
+from ..storage import Storage
+from ..storage.base import parse_temp_name
+from ..utils import human_bytes
+from .placement import nodes_of
+from .policy import Tiers
+from .transport import PART_BYTES, Peer, tier_group
+
+log = logging.getLogger("bcp")
+
+VIEW_PREFIX = ".bcp-recover-"  # a load's view of a step in a node's memory (not a step: no layout lists it)
+
+
+# ----------------------------------------------------------------------------- records
+
+@codec.record
+@dataclass(frozen=True)
+class StepHeld:
+    """One step in one node's memory: the digest of its metadata where recorded there (and the
+    data files it names), and the data files the node holds with their sizes."""
+
+    step: int
+    metadata: str | None
+    needs: tuple
+    files: tuple
+    sizes: tuple
+
+
+@codec.record
+@dataclass(frozen=True)
+class NodeHoldings:
+    """What a node's leader found in its memory tier, or why it could not look."""
+
+    steps: tuple[StepHeld, ...]
+    error: str | None
+
+
+@codec.record
+@dataclass(frozen=True)
+class Choice:
+    """The coordinator's choice, for every rank: the step and its tier ("memory", "durable"); for
+    memory, the rank whose node holds its metadata, each file's size and holding nodes, and the
+    name of the load's view in each node's memory. `error`: no step can be loaded."""
+
+    tier: str
+    step: int
+    path: str
+    metadata_from: int
+    files: tuple
+    sizes: tuple
+    holders: tuple
+    view: str
+    error: str | None
+
+
+@codec.record
+@dataclass(frozen=True)
+class Needs:
+    """The byte ranges ([file index, start, end]) a rank's load reads, or why it cannot take part."""
+
+    ranges: tuple
+    failure: LoadFailure | None
+
+
+@codec.record
+@dataclass(frozen=True)
+class Fetches:
+    """A rank's part of the transfers ([peer rank, file index, start, end]: sent to, received from)."""
+
+    sends: tuple
+    receives: tuple
+    failure: LoadFailure | None
+
+
+# ----------------------------------------------------------------------------- the load
+
+def load_tiered(tiers: Tiers, state: dict, framework: str = "auto", strict: bool = True, *, process_group=None,
+                allow_pickle: bool = False, verify_checksums: bool = True, num_threads: int = 4,
+                share_reads: bool | None = None, timeout: timedelta = DEFAULT_TIMEOUT, mapping=None) -> LoadResult:
+    """`bcp_core.load(tiers, state)` (module doc). Collective: every rank of the group calls it."""
+    if mapping is not None:
+        raise ValueError("a mapped load reads one checkpoint: load the step of a tiered root by its path "
+                         "(Tiers.durable's step directory) with mapping=")
+    comm, op = _load_op(process_group)
+    held, found = None, {}
+    if comm.rank in comm.node_leaders:
+        held, found = _holdings(tiers)
+    gathered = comm.gather(codec.to_wire(held) if held is not None else None, f"{op}/holdings", timeout)
+    choice = None
+    if comm.is_coordinator:
+        try:
+            choice = _choose(tiers, comm, [codec.from_wire(h, NodeHoldings) if h is not None else None
+                                           for h in gathered])
+        except Exception as e:  # noqa: BLE001 - every rank raises it
+            choice = Choice("", -1, "", -1, (), (), (), "", f"{type(e).__name__}: {e}")
+    choice = codec.from_wire(comm.broadcast(codec.to_wire(choice) if choice is not None else None,
+                                            f"{op}/choice", timeout), Choice)
+    if choice.error is not None:
+        kind = NotACheckpointError if choice.error.startswith("NotACheckpointError") else IncompleteCheckpointError
+        raise kind(choice.error.split(": ", 1)[-1])
+    if choice.tier == "durable":
+        log.info("bcp: loading step %d from durable storage %s", choice.step, choice.path)
+        result = load_checkpoint(choice.path, state, framework, strict, process_group=process_group,
+                                 allow_pickle=allow_pickle, verify_checksums=verify_checksums,
+                                 num_threads=num_threads, share_reads=share_reads, timeout=timeout)
+    else:
+        log.info("bcp: loading step %d from the nodes' memory (%s)", choice.step, tiers.memory)
+        result = _load_from_memory(tiers, comm, op, choice, found, state, framework, strict, process_group,
+                                   allow_pickle, verify_checksums, num_threads, timeout)
+    result.step, result.tier = choice.step, choice.tier
+    return result
+
+
+def _load_from_memory(tiers: Tiers, comm: Comm, op: str, choice: Choice, found: dict, state: dict, framework: str,
+                      strict: bool, process_group, allow_pickle: bool, verify_checksums: bool, num_threads: int,
+                      timeout: timedelta) -> LoadResult:
+    root = tiers.memory_root()
+    name = BCP_STEPS.name(choice.step)
+    deadline = time.monotonic() + timeout.total_seconds()
+    failure: BaseException | None = None
+    needs: set[tuple[int, int, int]] = set()
+    md_bytes = found.get(choice.step) if comm.rank == choice.metadata_from else None
+    try:
+        md_bytes = _spread_metadata(comm, choice.metadata_from, md_bytes, deadline, f"{op}/metadata", timeout,
+                                    _tag(op, 0))
+        md = CheckpointMetadata.loads(md_bytes, source=f"{tiers.memory}/{name}/{METADATA_FILE}")
+        if tuple(md.files) != tuple(choice.files):
+            raise BCPError(f"the metadata of step {choice.step} names other files than the one chosen")
+        needs = _needed_ranges(md, state, framework, comm.rank, allow_pickle)
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others wait
+        failure = e
+    mine = Needs(tuple(sorted(needs)), None if failure is None else LoadFailure.of(comm.rank, failure))
+    gathered = comm.gather(codec.to_wire(mine), f"{op}/needs", timeout)
+    plans = None
+    if comm.is_coordinator:
+        plans = _schedule(comm, choice, [codec.from_wire(n, Needs) for n in gathered])
+    fetches = codec.from_wire(comm.scatter([codec.to_wire(p) for p in plans] if plans is not None else None,
+                                           f"{op}/fetches", timeout), Fetches)
+    raise_failures([fetches.failure], failure)
+    view = root.child(choice.view)
+    error: BaseException | None = None
+    try:
+        if comm.rank in comm.node_leaders:
+            _make_view(root, view, name, choice, md_bytes)
+    except Exception as e:  # noqa: BLE001 - reported at the agreement
+        error = e
+    try:
+        comm.barrier(f"{op}/views", timeout)  # every node's view exists before a byte is written into it
+        if error is None:
+            error = _transfer(comm, root.child(name), view, choice, fetches, deadline, f"{op}/fetch", timeout)
+        errors = comm.all_gather(None if error is None else codec.to_wire(LoadFailure.of(comm.rank, error)),
+                                 f"{op}/fetched", timeout)
+        raise_failures([None if f is None else codec.from_wire(f, LoadFailure) for f in errors], error)
+        result = load_checkpoint(view.root, state, framework, strict, process_group=process_group,
+                                 allow_pickle=allow_pickle, verify_checksums=verify_checksums,
+                                 num_threads=num_threads, share_reads=True, timeout=timeout)
+        result.path = root.join(name)
+        return result
+    finally:
+        try:
+            comm.barrier(f"{op}/done", timeout)
+        except Exception as e:  # noqa: BLE001 - the view goes anyway: mapped files stay readable to whoever maps them
+            log.warning("bcp: rank %d: waiting for the other ranks to finish recovering: %s", comm.rank, e)
+        if comm.rank in comm.node_leaders:
+            try:
+                root.remove(choice.view)
+            except Exception as e:  # noqa: BLE001 - the load's own outcome is what the caller needs
+                log.warning("bcp: could not remove the recovery view %s: %s", view.root, e)
+
+
+# ----------------------------------------------------------------------------- holdings and the choice
+
+def _holdings(tiers: Tiers) -> tuple[NodeHoldings, dict[int, bytes]]:
+    """A node leader: the steps in this node's memory (and the metadata bytes of each, by step)."""
+    found: dict[int, bytes] = {}
+    try:
+        root = tiers.memory_root()
+        steps = []
+        for entry in root.listdir():
+            step = BCP_STEPS.step_of(entry)
+            if step is None:
+                continue
+            files = [f"data/{f}" for f in root.listdir(f"{entry}/data") if parse_temp_name(f) is None]
+            sizes = [root.size(f"{entry}/{f}") for f in files]
+            digest, needs = None, ()
+            if root.exists(f"{entry}/{METADATA_FILE}"):
+                try:
+                    data = read_metadata_file(root.child(entry))
+                    needs = CheckpointMetadata.loads(data, source=root.join(f"{entry}/{METADATA_FILE}")).files
+                    digest, found[step] = xxhash.xxh3_64_hexdigest(data), data
+                except (BCPError, OSError) as e:
+                    log.warning("bcp: step %d in %s: its metadata is unreadable (%s); not a candidate", step,
+                                root.root, e)
+            steps.append(StepHeld(step, digest, tuple(needs), tuple(files), tuple(sizes)))
+        return NodeHoldings(tuple(steps), None), found
+    except Exception as e:  # noqa: BLE001 - the coordinator treats this node as holding nothing, and says why
+        return NodeHoldings((), f"{type(e).__name__}: {e}"), found
+
+
+def _choose(tiers: Tiers, comm: Comm, holdings: list[NodeHoldings | None]) -> Choice:
+    """The newest whole step in memory, or the durable latest if newer (module doc)."""
+    node_ranks = nodes_of(comm.nodes)
+    by_node = [h for h in holdings if h is not None]  # the leaders', in node order
+    for x, h in enumerate(by_node):
+        if h.error is not None:
+            log.warning("bcp: node %d (rank %d) could not list its memory tier: %s", x, node_ranks[x][0], h.error)
+    durable_step, durable_path = None, None
+    if tiers.durable is not None:
+        durable_path = latest_complete(tiers.durable)
+        if durable_path is not None:
+            durable_step = BCP_STEPS.step_of(durable_path.rstrip("/").rsplit("/", 1)[-1])
+    lacking: list[str] = []
+    steps = sorted({s.step for h in by_node for s in h.steps}, reverse=True)
+    for step in steps:
+        if durable_step is not None and step < durable_step:
+            break
+        held = [(x, s) for x, h in enumerate(by_node) for s in h.steps if s.step == step]
+        recorded = [(x, s) for x, s in held if s.metadata is not None]
+        if not recorded:
+            lacking.append(f"step {step}: no node holds its metadata (never committed)")
+            continue
+        if len({s.metadata for _, s in recorded}) > 1:
+            lacking.append(f"step {step}: nodes hold different metadata for it")
+            continue
+        files = recorded[0][1].needs
+        sizes, holders, missing = [], [], []
+        for f in files:
+            have = [(x, s.sizes[s.files.index(f)]) for x, s in held if f in s.files]
+            size = max((sz for _, sz in have), key=[sz for _, sz in have].count, default=None)
+            nodes = [x for x, sz in have if sz == size]
+            if not nodes:
+                missing.append(f)
+            sizes.append(size or 0)
+            holders.append(nodes)
+        if missing:
+            lacking.append(f"step {step}: {len(missing)} of its {len(files)} files survive on no node "
+                           f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
+            continue
+        if lacking:
+            log.warning("bcp: newer steps in memory are not whole: %s", "; ".join(lacking))
+        return Choice("memory", step, f"{tiers.memory}/{BCP_STEPS.name(step)}",
+                      node_ranks[recorded[0][0]][0], tuple(files), tuple(sizes), tuple(map(tuple, holders)),
+                      f"{VIEW_PREFIX}{step}-{secrets.token_hex(4)}", None)
+    if durable_step is not None:
+        if lacking:
+            log.warning("bcp: no whole step in memory newer than step %d in durable storage: %s", durable_step,
+                        "; ".join(lacking))
+        return Choice("durable", durable_step, durable_path, -1, (), (), (), "", None)
+    where = f"{tiers.memory} on {len(by_node)} node(s)" + (f" and {tiers.durable}" if tiers.durable else "")
+    if not steps:
+        raise NotACheckpointError(f"no checkpoint in {where}")
+    raise IncompleteCheckpointError(f"no whole step in {where}: {'; '.join(lacking)}")
+
+
+# ----------------------------------------------------------------------------- the metadata, the needs
+
+def _spread_metadata(comm: Comm, holder: int, data: bytes | None, deadline: float, op: str,
+                     timeout: timedelta, tag: int) -> bytes:
+    """The metadata from rank `holder` to every rank, down a binary tree rooted at it."""
+    if comm.world_size == 1:
+        return data
+    order = [holder] + [r for r in range(comm.world_size) if r != holder]
+    i = order.index(comm.rank)
+    group = tier_group(comm, timeout)
+    failure = None
+    if i > 0:
+        try:
+            data = Peer(group, comm.rank, order[(i - 1) // 2], tag, deadline, op).recv_blob("the metadata")
+        except Exception as e:  # noqa: BLE001 - passed on to the children, then raised
+            failure, data = e, None
+    for c in (2 * i + 1, 2 * i + 2):
+        if c < len(order):
+            Peer(group, comm.rank, order[c], tag, deadline, op).send_blob(data, "the metadata", str(failure))
+    if failure is not None:
+        raise failure
+    return data
+
+
+def _needed_ranges(md: CheckpointMetadata, state: dict, framework: str, rank: int,
+                   allow_pickle: bool) -> set[tuple[int, int, int]]:
+    """The byte ranges of data files (file index, start, end) this rank's load will read: the load
+    planned as `bcp.load` plans it, without reading (every block whole, as verification reads it),
+    and every piece of the sharded objects it loads (small: a loader's state)."""
+    adapter = resolve_framework(state, framework)
+    targets = load_targets(state, md, adapter)
+    plan = plan_load(md, targets, rank, allow_pickle, lambda fqn: None)
+    out = set()
+    for it in plan.items:
+        lo, hi = item_span(it, md.checksum_block_bytes, True)
+        p = it.piece
+        if hi > lo:
+            out.add((p.file, p.byte_offset + lo, p.byte_offset + hi))
+    for fqn, so in md.sharded_objects.items():
+        if fqn in targets.targets or any(fqn.startswith(f"{c}.") for c, _ in targets.containers):
+            out.update((p.file, p.byte_offset, p.byte_offset + p.nbytes) for p in so.shards if p.nbytes)
+    return _merged(out)
+
+
+def _merged(ranges) -> set[tuple[int, int, int]]:
+    """Overlapping or touching ranges of a file as one."""
+    out: list[list[int]] = []
+    for f, lo, hi in sorted(ranges):
+        if out and out[-1][0] == f and lo <= out[-1][2]:
+            out[-1][2] = max(out[-1][2], hi)
+        else:
+            out.append([f, lo, hi])
+    return {tuple(r) for r in out}
+
+
+def _schedule(comm: Comm, choice: Choice, needs: list[Needs]) -> list[Fetches]:
+    """Coordinator: who sends which range to whom. Each range a node lacks (its ranks' needs merged)
+    is sent once, by a rank of the holding node with the fewest bytes to send so far, to the rank of
+    the needing node with the fewest to receive; in one order on every rank (file, start, node)."""
+    failures = [n.failure for n in needs if n.failure is not None]
+    if failures:
+        return [Fetches((), (), failures[0])] * comm.world_size
+    node_ranks = nodes_of(comm.nodes)
+    node_of = {r: x for x, ranks in enumerate(node_ranks) for r in ranks}
+    wanted: dict[int, set] = {}
+    for r, n in enumerate(needs):
+        x = node_of[r]
+        for f, lo, hi in n.ranges:
+            if not 0 <= f < len(choice.files) or not 0 <= lo < hi <= choice.sizes[f]:
+                failure = LoadFailure(r, "BCPError", f"asked for bytes [{lo}, {hi}) of file {f}, which step "
+                                                     f"{choice.step} does not have")
+                return [Fetches((), (), failure)] * comm.world_size
+            if x not in choice.holders[f]:
+                wanted.setdefault(x, set()).add((f, lo, hi))
+    sent = [0] * comm.world_size
+    received = [0] * comm.world_size
+    node_sent = [0] * len(node_ranks)
+    transfers = []
+    for x, ranges in sorted(wanted.items()):
+        for f, lo, hi in sorted(_merged(ranges)):
+            y = min(choice.holders[f], key=lambda y: (node_sent[y], y))
+            src = min(node_ranks[y], key=lambda r: (sent[r], r))
+            dst = min(node_ranks[x], key=lambda r: (received[r], r))
+            node_sent[y] += hi - lo
+            sent[src] += hi - lo
+            received[dst] += hi - lo
+            transfers.append((f, lo, x, src, dst, hi))
+    transfers.sort()
+    if transfers:
+        log.info("bcp: recovery moves %s between nodes in %d ranges", human_bytes(sum(t[5] - t[1] for t in transfers)),
+                 len(transfers))
+    return [Fetches(tuple((dst, f, lo, hi) for f, lo, _, src, dst, hi in transfers if src == r),
+                    tuple((src, f, lo, hi) for f, lo, _, src, dst, hi in transfers if dst == r), None)
+            for r in range(comm.world_size)]
+
+
+# ----------------------------------------------------------------------------- the view and the transfers
+
+def _tag(op: str, kind: int) -> int:
+    """The point-to-point tag of one kind of message of load `op` ("l<n>/..."): never one an earlier
+    load used, so a message an earlier failed load left unreceived is never taken for this one's."""
+    return int(op.split("/")[0][1:]) * 4 + kind
+
+
+def _make_view(root: Storage, view: Storage, name: str, choice: Choice, md: bytes | None) -> None:
+    """A node leader: the step as this node's ranks will load it. The metadata; each file the node
+    holds, linked; each file it lacks, a sparse file of its size (holes read as zeros; the ranges the
+    node needs are written into it by the transfers, and a load reads nothing else, every block
+    verified)."""
+    view.makedirs("data")
+    if md is None:  # not relayed to the leader (it is, to every rank): cannot happen
+        raise BCPError("the step's metadata did not reach this node")
+    view.write_atomic(METADATA_FILE, md)
+    step = root.child(name)
+    for f, size in zip(choice.files, choice.sizes):
+        target = view._path(f)
+        if step.exists(f) and step.size(f) == size:
+            os.link(step._path(f), target, follow_symlinks=False)
+            continue
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+
+
+def _transfer(comm: Comm, step: Storage, view: Storage, choice: Choice, fetches: Fetches, deadline: float, op: str,
+              timeout: timedelta) -> BaseException | None:
+    """This rank's sends (from this node's copy of the step) and receives (into the view), in the
+    global order every rank follows, so they never deadlock; the first error, or None."""
+    if not fetches.sends and not fetches.receives:
+        return None
+    group = tier_group(comm, timeout)
+    errors: list[BaseException] = []
+
+    def send_all() -> None:
+        maps: dict[int, memoryview] = {}
+        for dst, f, lo, hi in fetches.sends:
+            peer = Peer(group, comm.rank, dst, _tag(op, 1), deadline, op)
+            try:
+                if f not in maps:
+                    maps[f] = step.map(choice.files[f])
+                for a in range(lo, hi, PART_BYTES):
+                    b = min(a + PART_BYTES, hi)
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", UserWarning)  # a read-only map: gloo only reads it
+                        part = torch.frombuffer(maps[f][a:b], dtype=torch.uint8)
+                    peer.send(part, f"bytes [{a}, {b}) of {choice.files[f]}")
+            except Exception as e:  # noqa: BLE001 - reported at the agreement
+                errors.append(e)
+                return
+
+    sender = threading.Thread(target=send_all, name="bcp-recover-send")
+    sender.start()
+    buf = torch.empty(PART_BYTES, dtype=torch.uint8)
+    fds: dict[int, int] = {}
+    try:
+        for src, f, lo, hi in fetches.receives:
+            peer = Peer(group, comm.rank, src, _tag(op, 1), deadline, op)
+            if f not in fds:
+                fds[f] = os.open(view._path(choice.files[f]), os.O_WRONLY | os.O_NOFOLLOW)
+            for a in range(lo, hi, PART_BYTES):
+                b = min(a + PART_BYTES, hi)
+                part = peer.recv(buf[:b - a], f"bytes [{a}, {b}) of {choice.files[f]}")
+                data = memoryview(part.numpy())
+                while len(data):
+                    n = os.pwrite(fds[f], data, a)
+                    data, a = data[n:], a + n
+    except Exception as e:  # noqa: BLE001 - reported at the agreement
+        errors.append(e)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+        sender.join(max(deadline - time.monotonic(), 0) + 5)
+    return errors[0] if errors else None
