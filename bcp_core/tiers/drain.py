@@ -23,13 +23,13 @@ from .. import layout, metrics
 from ..comm import comm_for
 from ..errors import CommTimeoutError, SaveError
 from ..layout import write_tracker
-from ..metadata import FAILED_FILE, METADATA_FILE
+from ..metadata import FAILED_FILE, METADATA_FILE, CheckpointMetadata
 from ..plan_records import Committed, SaveId, WriteReport
 from ..save_job import SaveProgress, SaveRequest, rank_error
 from ..save_queue import SaveHandle, SaveQueue
 from ..save_rounds import PROBE_FILE, SaveRounds, check_probes, mark_failed, write_probe
 from ..storage import Storage
-from ..storage.base import run_all
+from ..storage.base import parse_temp_name, run_all
 from .transport import PART_BYTES
 
 log = logging.getLogger("bcp")
@@ -66,13 +66,14 @@ class DrainLane:
         rec = metrics.Recorder("save", dcomm.rank, dckpt.root)
         self.runtime.pinned.add(name)
         run = self.queue.start(lambda: rec.run(self._drain, dcomm, drequest, dprogress, request.ckpt,
-                                               tier.files, progress.metadata, finish=True))
+                                               tier.files, progress.metadata, request.root,
+                                               tier.tiers.keep_in_memory, finish=True))
         handle = SaveHandle(dckpt.root, run, rec)
         self.queue.add(handle, drequest, dprogress)
         return handle
 
     def _drain(self, comm, request: SaveRequest, progress: SaveProgress, memory: Storage, files: list[str] | None,
-               md: bytes | None) -> str:
+               md: bytes | None, memory_root: Storage, keep: int) -> str:
         op = f"d{request.save.number}"
         try:
             progress.phase = "writing"
@@ -91,6 +92,8 @@ class DrainLane:
             raise
         finally:
             self.runtime.pinned.discard(request.tracker_name)
+            if comm.rank in comm.node_leaders:  # the step may leave memory now, if newer ones are kept
+                self.runtime.keep_newest(memory_root, keep)
         if progress.probe:
             self.probed.add(request.root.root)
         if comm.is_coordinator:
@@ -132,7 +135,11 @@ class DrainLane:
             root.sync_dir()
             if ckpt.exists(FAILED_FILE):
                 ckpt.remove(FAILED_FILE)
-            ckpt.write_atomic(METADATA_FILE, md)  # the commit point of the durable step
+            ckpt.write_atomic(METADATA_FILE, md)  # the commit point of the durable step (replacing any other)
+            ours = {f.split("/", 1)[1] for f in CheckpointMetadata.loads(md).files}
+            for name in ckpt.listdir("data"):  # an earlier save of this step's files, which nothing names now
+                if name not in ours and parse_temp_name(name) is None:
+                    ckpt.remove(f"data/{name}")
             write_tracker(root, request.tracker_name)
             return Committed(request.save)
         return decide

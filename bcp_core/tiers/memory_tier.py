@@ -20,13 +20,14 @@ after a newer one is committed there, and not while it is being drained.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
 from .. import layout
 from ..comm import Comm
 from ..errors import SaveError
-from ..metadata import FAILED_FILE, METADATA_FILE
+from ..metadata import FAILED_FILE, METADATA_FILE, TRACKER_FILE
 from ..plan_records import WriteReport
 from ..save_job import SaveProgress, SaveRequest, rank_error
 from .placement import Placement, PlacementError, nodes_of, place
@@ -50,6 +51,23 @@ class TierRuntime:
         self.placements: dict[tuple, Placement] = {}
         self.pinned: set[str] = set()
         self.drains = DrainLane(role, self)
+        self.lock = threading.Lock()  # one retention at a time: a save's, or a drain's once it ended
+        self.rewound: set[str] = set()  # durable roots whose tracker this job has checked (rewind_durable)
+
+    def keep_newest(self, root, keep: int, committed: str | None = None, pinned: set[str] = frozenset()) -> None:
+        """A node leader: what failed saves left older than `committed` (a step just committed), then
+        the steps beyond the newest `keep`, but not those being drained (`pinned` adds to them).
+        Failures are logged: the steps are committed."""
+        with self.lock:
+            try:
+                if committed is not None:
+                    for name, error in layout.remove_leftovers(root, committed).failed:
+                        log.warning("bcp: could not remove %s, left by a failed save under %s: %s", name, root.root,
+                                    error)
+                for name, error in layout.prune(root, keep, keep_names=self.pinned | set(pinned)).failed:
+                    log.warning("bcp: could not remove %s from %s: %s", name, root.root, error)
+            except Exception as e:  # noqa: BLE001 - see above
+                log.warning("bcp: keeping the newest %d steps in %s failed: %s", keep, root.root, e)
 
 
 @dataclass
@@ -77,6 +95,10 @@ class TierSave:
             try:
                 clear_newer(request.root, request.tracker_name)
                 request.ckpt.makedirs("data")
+                if comm.is_coordinator and self.tiers.durable is not None and \
+                        self.tiers.durable not in self.runtime.rewound:
+                    rewind_durable(self.tiers.durable_root(), request.save.step)
+                    self.runtime.rewound.add(self.tiers.durable)
             except Exception as e:  # noqa: BLE001 - sent with the plan request
                 progress.error = rank_error(comm.rank, e)
 
@@ -135,7 +157,8 @@ class TierSave:
             raise SaveError(f"{request.what} failed and was not committed: the step could not be recorded on every "
                             f"node: {'; '.join(errors)}")
         if comm.rank in comm.node_leaders:
-            self._keep_newest(request)
+            self.runtime.keep_newest(request.root, self.tiers.keep_in_memory, request.tracker_name,
+                                     {request.tracker_name} if self.tiers.persists(request.save.step) else set())
         if self.tiers.persists(request.save.step):
             self.runtime.drains.start(self, comm, request, progress)
 
@@ -164,19 +187,6 @@ class TierSave:
             raise failure
         return md
 
-    def _keep_newest(self, request: SaveRequest) -> None:
-        """A node leader, once the step is committed on every node: what failed saves left, then the
-        steps beyond the newest `keep_in_memory` (not those being drained). Failures are logged."""
-        root = request.root
-        try:
-            for name, error in layout.remove_leftovers(root, request.tracker_name).failed:
-                log.warning("bcp: could not remove %s, left by a failed save under %s: %s", name, root.root, error)
-            pinned = self.runtime.pinned | ({request.tracker_name} if self.tiers.persists(request.save.step) else set())
-            for name, error in layout.prune(root, self.tiers.keep_in_memory, keep_names=pinned).failed:
-                log.warning("bcp: could not remove %s from %s: %s", name, root.root, error)
-        except Exception as e:  # noqa: BLE001 - the step is committed
-            log.warning("bcp: keeping the newest %d steps in %s failed: %s", self.tiers.keep_in_memory, root.root, e)
-
 
 def clear_newer(root, name: str) -> None:
     """Before a save of step directory `name`: steps of this root at or after it belong to a timeline the
@@ -197,6 +207,26 @@ def clear_newer(root, name: str) -> None:
         elif root.exists(f"{entry}/{METADATA_FILE}") or root.listdir(f"{entry}/data"):
             root.remove(f"{entry}/{METADATA_FILE}")
             root.remove(entry)
+
+
+def rewind_durable(durable, step: int) -> None:
+    """The coordinator, at a job's first tiered save (of `step`): if the durable root's `latest` names
+    a step at or after it, that step is of a timeline the job has left (it resumed from an earlier
+    step, or started over), and recovery must not take it for the job's. `latest` goes back to the
+    newest complete step before `step`, or away if there is none; nothing is deleted (the old steps
+    stay loadable by their paths until a drain of the same step replaces them)."""
+    name = layout.read_tracker(durable)
+    current = layout.BCP_STEPS.step_of(name) if name else None
+    if current is None or current < step:
+        return
+    older = [e for e in layout.list_checkpoints(durable) if e.complete and e.step is not None and e.step < step]
+    if older:
+        layout.write_tracker(durable, older[-1].name)
+    else:
+        durable.remove(TRACKER_FILE)
+    log.warning("bcp: %s named %s, at or after step %d that this job saves now: it is of a timeline the job has "
+                "left; it now names %s", durable.join(TRACKER_FILE), name, step,
+                older[-1].name if older else "nothing")
 
 
 def _take_back(request: SaveRequest) -> None:

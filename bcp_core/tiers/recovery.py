@@ -40,7 +40,7 @@ from ..comm import DEFAULT_TIMEOUT, Comm
 from ..engine.read import item_span
 from ..errors import BCPError, IncompleteCheckpointError, NotACheckpointError
 from ..flatten import load_targets
-from ..layout import BCP_STEPS, latest_complete
+from ..layout import BCP_STEPS, read_tracker
 from ..load_planner import plan_load
 from ..loader import LoadResult, _load_op, load_checkpoint
 from ..metadata import METADATA_FILE, CheckpointMetadata, read_metadata_file
@@ -250,11 +250,7 @@ def _choose(tiers: Tiers, comm: Comm, holdings: list[NodeHoldings | None]) -> Ch
     for x, h in enumerate(by_node):
         if h.error is not None:
             log.warning("bcp: node %d (rank %d) could not list its memory tier: %s", x, node_ranks[x][0], h.error)
-    durable_step, durable_path = None, None
-    if tiers.durable is not None:
-        durable_path = latest_complete(tiers.durable)
-        if durable_path is not None:
-            durable_step = BCP_STEPS.step_of(durable_path.rstrip("/").rsplit("/", 1)[-1])
+    durable_step, durable_path = _durable_latest(tiers)
     lacking: list[str] = []
     steps = sorted({s.step for h in by_node for s in h.steps}, reverse=True)
     for step in steps:
@@ -296,6 +292,20 @@ def _choose(tiers: Tiers, comm: Comm, holdings: list[NodeHoldings | None]) -> Ch
     if not steps:
         raise NotACheckpointError(f"no checkpoint in {where}")
     raise IncompleteCheckpointError(f"no whole step in {where}: {'; '.join(lacking)}")
+
+
+def _durable_latest(tiers: Tiers) -> tuple[int | None, str | None]:
+    """The step the durable root's tracker names, if complete: drains write it, and a job that left a
+    timeline moves it back (memory_tier.rewind_durable), so no newer step of another timeline is
+    taken (a scan for the newest complete one would)."""
+    if tiers.durable is None:
+        return None, None
+    durable = tiers.durable_root()
+    name = read_tracker(durable)
+    step = BCP_STEPS.step_of(name) if name else None
+    if step is None or not durable.exists(f"{name}/{METADATA_FILE}"):
+        return None, None
+    return step, durable.join(name)
 
 
 # ----------------------------------------------------------------------------- the metadata, the needs

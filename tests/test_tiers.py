@@ -1,0 +1,260 @@
+"""Tiered checkpoints (bcp_core/tiers/): the policy, the placement of replicas, and the whole path on
+gloo ranks split into simulated nodes (`BCP_LOCAL_WORLD_SIZE`), each node with a memory directory
+of its own: every piece with k + 1 copies, retention, the drain to an ordinary durable checkpoint,
+a failed replica failing the save everywhere, recovery after a lost node at other world sizes, a
+failed recovery leaving the state untouched, failure domains, a resumed job leaving a timeline.
+The kill-a-node cases under torchrun are in reliability/test_tiers_multinode.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import bcp_core as bcp
+from bcp_core.tiers.placement import PlacementError, nodes_of, place
+from dist import bcp_verify, run_ranks
+from tiered_state import COLS, ROWS, advance, expected, initial
+
+
+# ----------------------------------------------------------------------------- policy and placement
+
+def test_policy_refuses_what_cannot_work():
+    for kwargs, words in [
+        ({"memory": "s3://bucket/x"}, "each node's own storage"),
+        ({"memory": "memory://x", "durable": "memory://y", "persist_every": 2}, "not memory://"),
+        ({"memory": "memory://x", "durable": "/d"}, "go together"),
+        ({"memory": "memory://x", "persist_every": 2}, "go together"),
+        ({"memory": "memory://x", "replicas": -1}, "replicas=-1"),
+        ({"memory": "memory://x", "keep_in_memory": 0}, "keep_in_memory=0"),
+        ({"memory": "memory://x", "bandwidth": 0}, "bandwidth=0"),
+        ({"memory": "memory://x", "failure_domain": ""}, "failure_domain=''"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            bcp.Tiers(**kwargs)
+    with pytest.raises(ValueError, match="needs a step"):
+        bcp.save(bcp.Tiers("memory://x"), {"w": torch.zeros(2)})
+
+
+def test_placement_spreads_replicas_over_nodes_and_failure_domains():
+    ring = place(nodes_of([0, 0, 1, 1, 2, 2]), [None] * 3, 1)
+    assert ring.replica_nodes == ((1,), (2,), (0,))
+    assert ring.destinations(0) == [2] and ring.destinations(5) == [1] and ring.sources(2) == [0]
+    everywhere = place(nodes_of([0, 1, 2, 3]), [None] * 4, 3)
+    assert [set(r) for r in everywhere.replica_nodes] == [{1, 2, 3}, {0, 2, 3}, {0, 1, 3}, {0, 1, 2}]
+    racks = place(nodes_of(range(8)), ["a"] * 4 + ["b"] * 4, 1)  # never in the same rack, and evenly
+    assert racks.replica_nodes == ((4,), (5,), (6,), (7,), (0,), (1,), (2,), (3,))
+    uneven = place(nodes_of([0, 0, 0, 1]), [None, None], 1)  # 3 ranks send to node 1's one rank
+    assert [uneven.destinations(r) for r in range(4)] == [[3], [3], [3], [0]] and uneven.sources(3) == [0, 1, 2]
+    with pytest.raises(PlacementError, match="needs at least 3 nodes"):
+        place(nodes_of([0, 1]), [None, None], 2)
+    with pytest.raises(PlacementError, match="needs 3 failure domains"):
+        place(nodes_of(range(4)), ["a", "a", "b", "b"], 2)
+    with pytest.raises(PlacementError, match=r"not on node\(s\) \[1\]"):
+        place(nodes_of(range(2)), ["a", None], 1)
+
+
+# ----------------------------------------------------------------------------- on gloo ranks
+
+def _on_node(rank: int, base: str, names: list[str] | None = None) -> str:
+    """This rank's simulated node's memory directory (as each machine has its own RAM)."""
+    node = rank // int(os.environ.get("BCP_LOCAL_WORLD_SIZE") or 1)
+    name = names[node] if names else str(node)
+    os.environ["BCP_MEMORY_DIR"] = os.path.join(base, f"mem{name}")
+    os.makedirs(os.environ["BCP_MEMORY_DIR"], exist_ok=True)
+    return name
+
+
+def _tiers(base: str, **kw) -> bcp.Tiers:
+    kw = {"durable": os.path.join(base, "durable"), "persist_every": 2, "keep_in_memory": 2, **kw}
+    return bcp.Tiers("memory://job", **kw)
+
+
+def _save(rank, world, base, steps, part_bytes=None, fail_receive_at=None, names=None, domains=None):
+    """Train and save every step; `fail_receive_at`: (rank, step) whose receiving of replicas fails."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from bcp_core.tiers import recovery, replication, transport
+    _on_node(rank, base, names)
+    if domains:
+        os.environ["BCP_FAILURE_DOMAIN"] = domains[rank]
+    if part_bytes:  # files and ranges travel in several parts
+        transport.PART_BYTES = replication.PART_BYTES = recovery.PART_BYTES = part_bytes
+    if fail_receive_at and fail_receive_at[0] == rank:  # its memory fills up with another rank's replicas
+        from bcp_core.storage.memory import MemoryStorage
+        real = MemoryStorage.open_writer
+
+        def open_writer(self, relpath):
+            if self.root.endswith(f"step_{fail_receive_at[1]:08d}") and f"-r{rank}_" not in relpath:
+                raise bcp.StorageError("no space left on device (injected)")
+            return real(self, relpath)
+        MemoryStorage.open_writer = open_writer
+    state = initial(init_device_mesh("cpu", (world,)))
+    tiers, errors = _tiers(base), {}
+    for step in steps:
+        advance(state, step)
+        try:
+            bcp.save(tiers, state, step=step, async_save=True).wait()
+        except bcp.SaveError as e:
+            errors[step] = str(e)
+    return errors
+
+
+def _load(rank, world, base, names=None, sentinel=False, tiers_kw=None):
+    """Load the tiers into this world size; the step, tier and whether every row is the expected one
+    (with `sentinel`: the load must fail, and the state stay as it was)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    _on_node(rank, base, names)
+    state = initial(init_device_mesh("cpu", (world,)))
+    state["w"].to_local().fill_(-1.0)
+    before = {k: (v.to_local().clone() if hasattr(v, "to_local") else v) for k, v in state.items()}
+    try:
+        result = bcp.load(_tiers(base, **(tiers_kw or {})), state)
+    except bcp.BCPError as e:
+        same = all(torch.equal(state[k].to_local(), before[k]) if hasattr(state[k], "to_local") else
+                   (torch.equal(state[k], before[k]) if isinstance(state[k], torch.Tensor) else state[k] == before[k])
+                   for k in state)
+        return type(e).__name__, str(e), same
+    want = expected(result.step)
+    rows = ROWS // world
+    ok = all(torch.equal(state[k].to_local(), want[k][rank * rows:(rank + 1) * rows]) for k in ("w", "exp_avg"))
+    return result.step, result.tier, ok and torch.equal(state["bias"], want["bias"]) and state["step"] == result.step
+
+
+def _steps(mem) -> dict[int, set[str]]:
+    """A node's memory tier: step -> its committed data files (None: no metadata)."""
+    root = mem / "bcp-memory" / "job"
+    out = {}
+    for d in sorted(root.iterdir()) if root.exists() else []:
+        if d.name.startswith("step_"):
+            out[int(d.name[5:])] = set(os.listdir(d / "data")) if (d / "bcp_metadata.json").exists() else None
+    return out
+
+
+def test_replicas_retention_drain_and_recovery_after_a_lost_node(tmp_path, monkeypatch):
+    """2 nodes x 2 ranks, k = 1: each node holds every file of its newest 2 steps; steps 2 and 4 are
+    drained into ordinary checkpoints. Node 1 lost: 3 ranks on 3 nodes (two of them empty) load step
+    5 from node 0's memory, every row bit for bit, in parts of 4 KiB."""
+    base = str(tmp_path)
+    monkeypatch.setenv("BCP_LOCAL_WORLD_SIZE", "2")
+    assert run_ranks(4, _save, base, range(1, 6), 4096) == [{}] * 4
+    mem0, mem1 = _steps(tmp_path / "mem0"), _steps(tmp_path / "mem1")
+    assert set(mem0) == set(mem1) == {4, 5}, (mem0, mem1)  # step 2 and 4 left once drained and superseded
+    for step in (4, 5):
+        assert mem0[step] == mem1[step] and len(mem0[step]) == 4  # every rank's file on both nodes
+    for node in ("mem0", "mem1"):
+        assert not [n for n in os.listdir(tmp_path / node / "bcp-memory" / "job") if n.startswith(".bcp-")]
+    durable = str(tmp_path / "durable")
+    assert [e.step for e in bcp.layout.list_checkpoints(durable) if e.complete] == [2, 4]
+    bcp_verify(durable)
+    full = {"w": torch.zeros(ROWS, COLS), "exp_avg": torch.zeros(ROWS, COLS), "bias": torch.zeros(4), "step": 0}
+    assert bcp.load(durable, full).path.endswith("step_00000004")
+    assert all(torch.equal(full[k], expected(4)[k]) for k in ("w", "exp_avg", "bias"))
+
+    import shutil
+    shutil.rmtree(tmp_path / "mem1")
+    monkeypatch.setenv("BCP_LOCAL_WORLD_SIZE", "1")
+    assert run_ranks(3, _load, base, ["0", "new", "new2"]) == [(5, "memory", True)] * 3
+    assert not os.listdir(tmp_path / "memnew" / "bcp-memory" / "job")  # the view is gone
+
+
+def test_a_failed_replica_fails_the_save_on_every_rank_and_commits_it_nowhere(tmp_path, monkeypatch):
+    """Rank 3 cannot store the replicas it receives at step 2: the save fails on every rank naming
+    it, no node holds step 2's metadata (each node's leader marked it failed), step 3 saves cleanly,
+    and a load finds step 3 (then, step 3's metadata gone from both nodes, step 1, never step 2)."""
+    base = str(tmp_path)
+    monkeypatch.setenv("BCP_LOCAL_WORLD_SIZE", "2")
+    errors = run_ranks(4, _save, base, [1, 2, 3], None, (3, 2), None, None)
+    for e in errors:
+        assert list(e) == [2] and "rank 3" in e[2] and "injected" in e[2] and "not committed" in e[2], e
+    for node in ("mem0", "mem1"):
+        steps = _steps(tmp_path / node)
+        assert steps[1] is not None and steps[3] is not None and steps.get(2) is None, steps
+    assert run_ranks(4, _load, base) == [(3, "memory", True)] * 4
+    for node in ("mem0", "mem1"):
+        os.remove(tmp_path / node / "bcp-memory" / "job" / "step_00000003" / "bcp_metadata.json")
+    assert run_ranks(4, _load, base, None, False, {"durable": None, "persist_every": None}) == \
+        [(1, "memory", True)] * 4
+
+
+def test_a_failed_recovery_leaves_the_state_untouched(tmp_path, monkeypatch):
+    """Node 1 lost and node 0's copy of a step-3 file damaged: the load of step 3 fails its checksum
+    on every rank; with that file gone too, step 2 is not whole either (k = 0 here) and no durable
+    step exists: a one-line error naming what is missing. The state is untouched each time."""
+    base = str(tmp_path)
+    monkeypatch.setenv("BCP_LOCAL_WORLD_SIZE", "1")
+    assert run_ranks(2, _save, base, [1, 2, 3]) == [{}] * 2
+    step3 = tmp_path / "mem0" / "bcp-memory" / "job" / "step_00000003" / "data"
+    victim = sorted(step3.iterdir())[-1]
+    data = bytearray(victim.read_bytes())
+    data[-10] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    import shutil
+    shutil.rmtree(tmp_path / "mem1")
+    shutil.rmtree(tmp_path / "durable")
+    for kind, message, same in run_ranks(2, _load, base, ["0", "new"]):
+        assert kind == "ChecksumError" and same, message
+    for d in ("step_00000002", "step_00000003"):  # node 0's own file of each step gone too
+        own = sorted((tmp_path / "mem0" / "bcp-memory" / "job" / d / "data").iterdir())
+        for f in own:
+            if "-r0_" in f.name:
+                f.unlink()
+    for kind, message, same in run_ranks(2, _load, base, ["0", "new"]):
+        assert kind == "IncompleteCheckpointError" and same, message
+        assert "no whole step" in message and "survive on no node" in message and "r0_" in message, message
+
+
+@pytest.mark.slow
+def test_failure_domains_keep_each_copy_out_of_its_nodes_domain(tmp_path, monkeypatch):
+    """4 nodes in 2 racks: each node's files are copied to a node of the other rack."""
+    base = str(tmp_path)
+    monkeypatch.setenv("BCP_LOCAL_WORLD_SIZE", "1")
+    assert run_ranks(4, _save, base, [1], None, None, None, ["a", "a", "b", "b"]) == [{}] * 4
+    holders = {}
+    for node in range(4):
+        for f in _steps(tmp_path / f"mem{node}")[1]:
+            holders.setdefault(f.split("-r")[1][0], set()).add(node)
+    assert holders == {"0": {0, 2}, "1": {1, 3}, "2": {2, 0}, "3": {3, 1}}, holders
+
+
+def _resume_earlier(rank, world, base):
+    """A job that resumed from step 2 (of another timeline: its bias differs) saves step 2 again; the
+    steps in memory then, and what a load finds."""
+    from torch.distributed.device_mesh import init_device_mesh
+    _on_node(rank, base)
+    state = initial(init_device_mesh("cpu", (world,)))
+    for step in (1, 2):
+        advance(state, step)
+    state["bias"].add_(100.0)
+    tiers = _tiers(base)
+    bcp.save(tiers, state, step=2, async_save=True).wait()
+    steps = sorted(_steps(__import__("pathlib").Path(base) / f"mem{rank}"))
+    state["bias"].zero_()
+    result = bcp.load(tiers, state)
+    return steps, result.step, torch.equal(state["bias"], expected(2)["bias"] + 100.0)
+
+
+def test_a_resumed_job_leaves_the_old_timeline(tmp_path, monkeypatch):
+    """Steps 1-4 saved (3 and 4 kept in memory); a job resumed from step 2 saves step 2 again: the old
+    steps 3 and 4 are cleared on every node before the new step 2 commits, so no load finds them."""
+    base = str(tmp_path)
+    monkeypatch.setenv("BCP_LOCAL_WORLD_SIZE", "1")
+    assert run_ranks(2, _save, base, [1, 2, 3, 4]) == [{}] * 2
+    assert run_ranks(2, _resume_earlier, base) == [([2], 2, True)] * 2
+
+
+def test_one_process_memory_and_durable_without_replicas(tmp_path, monkeypatch):
+    """No torch.distributed, replicas=0: a memory tier drained to disk, loaded back."""
+    monkeypatch.setenv("BCP_MEMORY_DIR", str(tmp_path))
+    tiers = bcp.Tiers("memory://solo", durable=str(tmp_path / "durable"), replicas=0, persist_every=1)
+    state = {"w": torch.arange(6.0), "step": 3}
+    bcp.save(tiers, state, step=3, async_save=True).wait()
+    bcp.save(tiers, {"w": torch.arange(6.0) * 2, "step": 4}, step=4).wait()
+    bcp.checkpointer.get_checkpointer()._tiers.drains.queue.wait_all(60)
+    target = {"w": torch.zeros(6), "step": 0}
+    result = bcp.load(tiers, target)
+    assert (result.step, result.tier, target["step"]) == (4, "memory", 4) and torch.equal(target["w"], torch.arange(6.0) * 2)
+    assert bcp.resolve(str(tmp_path / "durable")).root.endswith("step_00000004")
+    with pytest.raises(bcp.SaveError, match="replicas=1 needs at least 2 nodes"):
+        bcp.save(bcp.Tiers("memory://solo"), state, step=5)
