@@ -7,9 +7,11 @@ durable storage; recovery from the newest whole step at any world size (docs/tie
     memory_tier.py  a tiered save as the save driver runs it: replicate, then record on every node
     replication.py  each node's files copied to its replica nodes before the step commits
     drain.py        every N-th step from memory to durable storage, in the background
-    recovery.py     `bcp.load(tiers, state)`: the newest whole step, fetched from the nodes holding it
+    recovery.py     `bcp.load(tiers, state)`: the newest whole step, fetched from the nodes holding it;
+                    `locate(tiers)` finds it first, for callers that ask its metadata what to load
 """
 
 from .policy import Tiers
+from .recovery import Located, locate
 
-__all__ = ["Tiers"]
+__all__ = ["Tiers", "Located", "locate"]

@@ -15,6 +15,7 @@
                every block verified, all or nothing; the view is removed after.
     durable    the ordinary load of the durable step
 
+`locate` does the first two (and gives every rank the step's metadata), `Located.load` the rest.
 Nothing of the caller's state changes before the final load, which itself changes nothing unless
 every byte was read and verified on every rank; every exchange and transfer is bounded by the
 load's timeout.
@@ -42,10 +43,10 @@ from ..errors import BCPError, IncompleteCheckpointError, NotACheckpointError
 from ..flatten import load_targets
 from ..layout import BCP_STEPS, read_tracker
 from ..load_planner import plan_load
-from ..loader import LoadResult, _load_op, load_checkpoint
+from ..loader import LoadResult, _load_op, load_checkpoint, read_metadata
 from ..metadata import METADATA_FILE, CheckpointMetadata, read_metadata_file
 from ..shared_reads import LoadFailure, raise_failures
-from ..storage import Storage
+from ..storage import Storage, storage_for
 from ..storage.base import parse_temp_name
 from ..utils import human_bytes
 from .placement import nodes_of
@@ -123,10 +124,18 @@ class Fetches:
 def load_tiered(tiers: Tiers, state: dict, framework: str = "auto", strict: bool = True, *, process_group=None,
                 allow_pickle: bool = False, verify_checksums: bool = True, num_threads: int = 4,
                 share_reads: bool | None = None, timeout: timedelta = DEFAULT_TIMEOUT, mapping=None) -> LoadResult:
-    """`bcp_core.load(tiers, state)` (module doc). Collective: every rank of the group calls it."""
+    """`bcp_core.load(tiers, state)` (module doc): `locate`, then `Located.load`. Collective."""
     if mapping is not None:
         raise ValueError("a mapped load reads one checkpoint: load the step of a tiered root by its path "
                          "(Tiers.durable's step directory) with mapping=")
+    return locate(tiers, process_group=process_group, timeout=timeout).load(
+        state, framework, strict, allow_pickle=allow_pickle, verify_checksums=verify_checksums,
+        num_threads=num_threads, share_reads=share_reads)
+
+
+def locate(tiers: Tiers, *, process_group=None, timeout: timedelta = DEFAULT_TIMEOUT) -> Located:
+    """The step a load of `tiers` would load, with its metadata on every rank, before anything is
+    read into a state (an integration asks the metadata which keys to load). Collective."""
     comm, op = _load_op(process_group)
     held, found = None, {}
     if comm.rank in comm.node_leaders:
@@ -144,34 +153,68 @@ def load_tiered(tiers: Tiers, state: dict, framework: str = "auto", strict: bool
     if choice.error is not None:
         kind = NotACheckpointError if choice.error.startswith("NotACheckpointError") else IncompleteCheckpointError
         raise kind(choice.error.split(": ", 1)[-1])
-    if choice.tier == "durable":
-        log.info("bcp: loading step %d from durable storage %s", choice.step, choice.path)
-        result = load_checkpoint(choice.path, state, framework, strict, process_group=process_group,
-                                 allow_pickle=allow_pickle, verify_checksums=verify_checksums,
-                                 num_threads=num_threads, share_reads=share_reads, timeout=timeout)
-    else:
-        log.info("bcp: loading step %d from the nodes' memory (%s)", choice.step, tiers.memory)
-        result = _load_from_memory(tiers, comm, op, choice, found, state, framework, strict, process_group,
-                                   allow_pickle, verify_checksums, num_threads, timeout)
-    result.step, result.tier = choice.step, choice.tier
-    return result
+    failure, md, md_bytes = None, None, None
+    try:
+        if choice.tier == "durable":
+            md = read_metadata(storage_for(choice.path))
+        else:
+            md_bytes = found.get(choice.step) if comm.rank == choice.metadata_from else None
+            md_bytes = _spread_metadata(comm, choice.metadata_from, md_bytes,
+                                        time.monotonic() + timeout.total_seconds(), f"{op}/metadata", timeout,
+                                        _tag(op, 0))
+            md = CheckpointMetadata.loads(md_bytes, source=f"{choice.path}/{METADATA_FILE}")
+            if tuple(md.files) != tuple(choice.files):
+                raise BCPError(f"the metadata of step {choice.step} names other files than the one chosen")
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it
+        failure = e
+    failures = comm.all_gather(None if failure is None else codec.to_wire(LoadFailure.of(comm.rank, failure)),
+                               f"{op}/located", timeout)
+    raise_failures([None if f is None else codec.from_wire(f, LoadFailure) for f in failures], failure)
+    return Located(tiers, choice.step, choice.tier, choice.path, md, comm, op, choice, md_bytes, process_group,
+                   timeout)
 
 
-def _load_from_memory(tiers: Tiers, comm: Comm, op: str, choice: Choice, found: dict, state: dict, framework: str,
-                      strict: bool, process_group, allow_pickle: bool, verify_checksums: bool, num_threads: int,
-                      timeout: timedelta) -> LoadResult:
-    root = tiers.memory_root()
+@dataclass
+class Located:
+    """A step of a tiered root found for loading (`locate`): its number, its tier ("memory",
+    "durable"), its path and metadata. `load` loads it (once)."""
+
+    tiers: Tiers
+    step: int
+    tier: str
+    path: str
+    metadata: CheckpointMetadata
+    comm: Comm
+    op: str
+    choice: Choice
+    md_bytes: bytes | None
+    process_group: object
+    timeout: timedelta
+
+    def load(self, state: dict, framework: str = "auto", strict: bool = True, *, allow_pickle: bool = False,
+             verify_checksums: bool = True, num_threads: int = 4, share_reads: bool | None = None) -> LoadResult:
+        """Load the step into `state`, resharded, as `bcp_core.load` does. Collective."""
+        if self.tier == "durable":
+            log.info("bcp: loading step %d from durable storage %s", self.step, self.path)
+            result = load_checkpoint(self.path, state, framework, strict, process_group=self.process_group,
+                                     allow_pickle=allow_pickle, verify_checksums=verify_checksums,
+                                     num_threads=num_threads, share_reads=share_reads, timeout=self.timeout)
+        else:
+            log.info("bcp: loading step %d from the nodes' memory (%s)", self.step, self.tiers.memory)
+            result = _load_from_memory(self, state, framework, strict, allow_pickle, verify_checksums, num_threads)
+        result.step, result.tier = self.step, self.tier
+        return result
+
+
+def _load_from_memory(at: Located, state: dict, framework: str, strict: bool, allow_pickle: bool,
+                      verify_checksums: bool, num_threads: int) -> LoadResult:
+    comm, op, choice, timeout, md = at.comm, at.op, at.choice, at.timeout, at.metadata
+    root = at.tiers.memory_root()
     name = BCP_STEPS.name(choice.step)
     deadline = time.monotonic() + timeout.total_seconds()
     failure: BaseException | None = None
     needs: set[tuple[int, int, int]] = set()
-    md_bytes = found.get(choice.step) if comm.rank == choice.metadata_from else None
     try:
-        md_bytes = _spread_metadata(comm, choice.metadata_from, md_bytes, deadline, f"{op}/metadata", timeout,
-                                    _tag(op, 0))
-        md = CheckpointMetadata.loads(md_bytes, source=f"{tiers.memory}/{name}/{METADATA_FILE}")
-        if tuple(md.files) != tuple(choice.files):
-            raise BCPError(f"the metadata of step {choice.step} names other files than the one chosen")
         needs = _needed_ranges(md, state, framework, comm.rank, allow_pickle)
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others wait
         failure = e
@@ -187,7 +230,7 @@ def _load_from_memory(tiers: Tiers, comm: Comm, op: str, choice: Choice, found: 
     error: BaseException | None = None
     try:
         if comm.rank in comm.node_leaders:
-            _make_view(root, view, name, choice, md_bytes)
+            _make_view(root, view, name, choice, at.md_bytes)
     except Exception as e:  # noqa: BLE001 - reported at the agreement
         error = e
     try:
@@ -197,7 +240,7 @@ def _load_from_memory(tiers: Tiers, comm: Comm, op: str, choice: Choice, found: 
         errors = comm.all_gather(None if error is None else codec.to_wire(LoadFailure.of(comm.rank, error)),
                                  f"{op}/fetched", timeout)
         raise_failures([None if f is None else codec.from_wire(f, LoadFailure) for f in errors], error)
-        result = load_checkpoint(view.root, state, framework, strict, process_group=process_group,
+        result = load_checkpoint(view.root, state, framework, strict, process_group=at.process_group,
                                  allow_pickle=allow_pickle, verify_checksums=verify_checksums,
                                  num_threads=num_threads, share_reads=True, timeout=timeout)
         result.path = root.join(name)
