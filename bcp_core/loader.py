@@ -78,8 +78,12 @@ class ResolvedCheckpoint:
 def load_checkpoint(path: str | os.PathLike, state: dict, framework: str = "auto", strict: bool = True, *,
                     process_group=None, allow_pickle: bool = False, verify_checksums: bool = True,
                     num_threads: int = 4, share_reads: bool | None = None,
-                    timeout: timedelta = DEFAULT_TIMEOUT, mapping: Any = None) -> LoadResult:
-    """`bcp_core.load` (see there)."""
+                    timeout: timedelta = DEFAULT_TIMEOUT, mapping: Any = None,
+                    prefetch: Callable[[tuple, BaseException | None], None] | None = None) -> LoadResult:
+    """`bcp_core.load` (see there). `prefetch(items, failure)`, if given, is called on every rank once
+    the read items are planned (with this rank's planning error, if any), before a byte is read:
+    a tiered load brings the ranges they need from other nodes then (tiers/recovery.py). It raises
+    on every rank if any rank failed."""
     adapter = resolve_framework(state, framework)
     shared = group_size(process_group) > 1 and (
         share_reads if share_reads is not None else worth_sharing(storage_for(path), process_group, state))
@@ -87,8 +91,15 @@ def load_checkpoint(path: str | os.PathLike, state: dict, framework: str = "auto
         st = resolve(path)
         md = read_metadata(st)
         reads = VerifiedReads(st, md.files, md.checksum_block_bytes, verify_checksums)
-        plan, targets, values, result = _prepare(st, md, state, adapter, strict, process_group, allow_pickle,
-                                                 verify_checksums, mapping)
+        try:
+            plan, targets, values, result = _prepare(st, md, state, adapter, strict, process_group, allow_pickle,
+                                                     verify_checksums, mapping)
+        except Exception as e:
+            if prefetch is not None:
+                prefetch((), e)
+            raise
+        if prefetch is not None:
+            prefetch(plan.items, None)
         ordered_after_callers(it.dest for it in plan.items)
         reads.read_each(plan.items, num_threads)
         _check(targets)
@@ -106,6 +117,8 @@ def load_checkpoint(path: str | os.PathLike, state: dict, framework: str = "auto
                                                      verify_checksums, mapping)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others wait
             failure, plan, targets = e, LoadPlan(), LoadTargets()
+        if prefetch is not None:
+            prefetch(plan.items, failure)
         ordered_after_callers(it.dest for it in plan.items)
         read_all_shared(reads, plan.items, num_threads, process_group, comm, op, timeout, failure,
                         check=lambda: _check(targets))

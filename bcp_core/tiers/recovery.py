@@ -5,14 +5,15 @@
     choice     the coordinator takes the newest step whose metadata some node holds and whose every
                file some node holds; the durable root's latest step instead if it is newer (or if
                memory has no whole step). Steps are never mixed: every byte comes from one step
-    memory     the metadata goes to every rank (a tree from a node holding it); each rank plans its
-               load against it without reading (load_planner) and names the byte ranges it needs;
-               the coordinator has each range a node lacks sent by a rank of a node holding it (the
-               least loaded), to one rank of the needing node; the ranges travel over the network
-               (transport.py) into sparse copies of their files in a view of the step in the node's
-               memory (the files the node holds linked into it), and the ranks agree that all
-               arrived. Then the ordinary load runs on the view: resharded to this job's layout,
-               every block verified, all or nothing; the view is removed after.
+    memory     the metadata goes to every rank (a tree from a node holding it). Each node makes a
+               view of the step in its memory: the files it holds linked into it, a sparse copy of
+               each file it lacks. The ordinary load runs on the view: once it has planned its reads
+               (resharded to this job's layout), each rank names the byte ranges they need, the
+               coordinator has each range a node lacks sent by a rank of a node holding it (the
+               least loaded) to one rank of the needing node, over the network (transport.py), and
+               the ranks agree that all arrived; only then is anything read, every block verified,
+               all or nothing. The sharded objects' pieces (read while the load is planned) are
+               brought first. The view is removed after.
     durable    the ordinary load of the durable step
 
 `locate` does the first two (and gives every rank the step's metadata), `Located.load` the rest.
@@ -36,13 +37,10 @@ import torch
 import xxhash
 
 from .. import codec
-from ..adapters import resolve_framework
 from ..comm import DEFAULT_TIMEOUT, Comm
 from ..engine.read import item_span
 from ..errors import BCPError, IncompleteCheckpointError, NotACheckpointError
-from ..flatten import load_targets
 from ..layout import BCP_STEPS, read_tracker
-from ..load_planner import plan_load
 from ..loader import LoadResult, _load_op, load_checkpoint, read_metadata
 from ..metadata import METADATA_FILE, CheckpointMetadata, read_metadata_file
 from ..shared_reads import LoadFailure, raise_failures
@@ -208,42 +206,45 @@ class Located:
 
 def _load_from_memory(at: Located, state: dict, framework: str, strict: bool, allow_pickle: bool,
                       verify_checksums: bool, num_threads: int) -> LoadResult:
+    """The step from the nodes' memory (module doc): each node's view of it, the sharded objects'
+    pieces it lacks (every rank computes the same schedule from the metadata: no exchange), then the
+    ordinary load of the view, which brings the byte ranges its items need before reading them
+    (`prefetch`)."""
     comm, op, choice, timeout, md = at.comm, at.op, at.choice, at.timeout, at.metadata
     root = at.tiers.memory_root()
     name = BCP_STEPS.name(choice.step)
+    step, view = root.child(name), root.child(choice.view)
     deadline = time.monotonic() + timeout.total_seconds()
-    failure: BaseException | None = None
-    needs: set[tuple[int, int, int]] = set()
-    try:
-        needs = _needed_ranges(md, state, framework, comm.rank, allow_pickle)
-    except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others wait
-        failure = e
-    mine = Needs(tuple(sorted(needs)), None if failure is None else LoadFailure.of(comm.rank, failure))
-    gathered = comm.gather(codec.to_wire(mine), f"{op}/needs", timeout)
-    plans = None
-    if comm.is_coordinator:
-        plans = _schedule(comm, choice, [codec.from_wire(n, Needs) for n in gathered])
-    fetches = codec.from_wire(comm.scatter([codec.to_wire(p) for p in plans] if plans is not None else None,
-                                           f"{op}/fetches", timeout), Fetches)
-    raise_failures([fetches.failure], failure)
-    view = root.child(choice.view)
+    node_ranks = nodes_of(comm.nodes)
     error: BaseException | None = None
     try:
         if comm.rank in comm.node_leaders:
             _make_view(root, view, name, choice, at.md_bytes)
-    except Exception as e:  # noqa: BLE001 - reported at the agreement
+    except Exception as e:  # noqa: BLE001 - the load below fails on every rank, reading what is not there
         error = e
     try:
         comm.barrier(f"{op}/views", timeout)  # every node's view exists before a byte is written into it
+        # a sharded object's pieces (a loader's state: small) are read while the load is planned
+        objects = {(p.file, p.byte_offset, p.byte_offset + p.nbytes)
+                   for so in md.sharded_objects.values() for p in so.shards if p.nbytes}
+        wanted = {x: objects for x in range(len(node_ranks))}
         if error is None:
-            error = _transfer(comm, root.child(name), view, choice, fetches, deadline, f"{op}/fetch", timeout)
-        errors = comm.all_gather(None if error is None else codec.to_wire(LoadFailure.of(comm.rank, error)),
-                                 f"{op}/fetched", timeout)
-        raise_failures([None if f is None else codec.from_wire(f, LoadFailure) for f in errors], error)
+            error = _transfer(comm, step, view, choice, _schedule(choice, node_ranks, wanted)[comm.rank], deadline,
+                              f"{op}/objects", _tag(op, 1), timeout)
+
+        def prefetch(items, failure: BaseException | None) -> None:
+            failure = failure or error
+            ranges = set()
+            for it in items:
+                lo, hi = item_span(it, md.checksum_block_bytes, True)
+                if hi > lo:
+                    ranges.add((it.piece.file, it.piece.byte_offset + lo, it.piece.byte_offset + hi))
+            _fetch(comm, op, choice, step, view, _merged(ranges), failure, deadline, timeout)
+
         result = load_checkpoint(view.root, state, framework, strict, process_group=at.process_group,
                                  allow_pickle=allow_pickle, verify_checksums=verify_checksums,
-                                 num_threads=num_threads, share_reads=True, timeout=timeout)
-        result.path = root.join(name)
+                                 num_threads=num_threads, share_reads=True, timeout=timeout, prefetch=prefetch)
+        result.path = step.root
         return result
     finally:
         try:
@@ -255,6 +256,26 @@ def _load_from_memory(at: Located, state: dict, framework: str, strict: bool, al
                 root.remove(choice.view)
             except Exception as e:  # noqa: BLE001 - the load's own outcome is what the caller needs
                 log.warning("bcp: could not remove the recovery view %s: %s", view.root, e)
+
+
+def _fetch(comm: Comm, op: str, choice: Choice, step: Storage, view: Storage, ranges, failure, deadline: float,
+           timeout: timedelta) -> None:
+    """The byte ranges this rank's load reads, into its node's view: the coordinator gathers every
+    rank's, schedules the ranges each node lacks (`_schedule`) and scatters each rank's part; the
+    transfers run; the ranks agree. Raises on every rank if any failed (nothing read yet)."""
+    mine = Needs(tuple(sorted(ranges)), None if failure is None else LoadFailure.of(comm.rank, failure))
+    gathered = comm.gather(codec.to_wire(mine), f"{op}/needs", timeout)
+    plans = None
+    if comm.is_coordinator:
+        needs = [codec.from_wire(n, Needs) for n in gathered]
+        plans = _plan_fetches(comm, choice, needs)
+    fetches = codec.from_wire(comm.scatter([codec.to_wire(p) for p in plans] if plans is not None else None,
+                                           f"{op}/fetches", timeout), Fetches)
+    raise_failures([fetches.failure], failure)
+    error = _transfer(comm, step, view, choice, fetches, deadline, f"{op}/fetch", _tag(op, 2), timeout)
+    errors = comm.all_gather(None if error is None else codec.to_wire(LoadFailure.of(comm.rank, error)),
+                             f"{op}/fetched", timeout)
+    raise_failures([None if f is None else codec.from_wire(f, LoadFailure) for f in errors], error)
 
 
 # ----------------------------------------------------------------------------- holdings and the choice
@@ -375,26 +396,6 @@ def _spread_metadata(comm: Comm, holder: int, data: bytes | None, deadline: floa
     return data
 
 
-def _needed_ranges(md: CheckpointMetadata, state: dict, framework: str, rank: int,
-                   allow_pickle: bool) -> set[tuple[int, int, int]]:
-    """The byte ranges of data files (file index, start, end) this rank's load will read: the load
-    planned as `bcp.load` plans it, without reading (every block whole, as verification reads it),
-    and every piece of the sharded objects it loads (small: a loader's state)."""
-    adapter = resolve_framework(state, framework)
-    targets = load_targets(state, md, adapter)
-    plan = plan_load(md, targets, rank, allow_pickle, lambda fqn: None)
-    out = set()
-    for it in plan.items:
-        lo, hi = item_span(it, md.checksum_block_bytes, True)
-        p = it.piece
-        if hi > lo:
-            out.add((p.file, p.byte_offset + lo, p.byte_offset + hi))
-    for fqn, so in md.sharded_objects.items():
-        if fqn in targets.targets or any(fqn.startswith(f"{c}.") for c, _ in targets.containers):
-            out.update((p.file, p.byte_offset, p.byte_offset + p.nbytes) for p in so.shards if p.nbytes)
-    return _merged(out)
-
-
 def _merged(ranges) -> set[tuple[int, int, int]]:
     """Overlapping or touching ranges of a file as one."""
     out: list[list[int]] = []
@@ -406,10 +407,9 @@ def _merged(ranges) -> set[tuple[int, int, int]]:
     return {tuple(r) for r in out}
 
 
-def _schedule(comm: Comm, choice: Choice, needs: list[Needs]) -> list[Fetches]:
-    """Coordinator: who sends which range to whom. Each range a node lacks (its ranks' needs merged)
-    is sent once, by a rank of the holding node with the fewest bytes to send so far, to the rank of
-    the needing node with the fewest to receive; in one order on every rank (file, start, node)."""
+def _plan_fetches(comm: Comm, choice: Choice, needs: list[Needs]) -> list[Fetches]:
+    """Coordinator: each rank's part of the transfers that bring every rank's needs into its node's
+    view, or every rank's failure (the first rank's that failed, or a range the step has not)."""
     failures = [n.failure for n in needs if n.failure is not None]
     if failures:
         return [Fetches((), (), failures[0])] * comm.world_size
@@ -417,20 +417,26 @@ def _schedule(comm: Comm, choice: Choice, needs: list[Needs]) -> list[Fetches]:
     node_of = {r: x for x, ranks in enumerate(node_ranks) for r in ranks}
     wanted: dict[int, set] = {}
     for r, n in enumerate(needs):
-        x = node_of[r]
         for f, lo, hi in n.ranges:
-            if not 0 <= f < len(choice.files) or not 0 <= lo < hi <= choice.sizes[f]:
+            if not (type(f) is int and type(lo) is int and type(hi) is int and 0 <= f < len(choice.files)
+                    and 0 <= lo < hi <= choice.sizes[f]):
                 failure = LoadFailure(r, "BCPError", f"asked for bytes [{lo}, {hi}) of file {f}, which step "
                                                      f"{choice.step} does not have")
                 return [Fetches((), (), failure)] * comm.world_size
-            if x not in choice.holders[f]:
-                wanted.setdefault(x, set()).add((f, lo, hi))
-    sent = [0] * comm.world_size
-    received = [0] * comm.world_size
-    node_sent = [0] * len(node_ranks)
+            wanted.setdefault(node_of[r], set()).add((f, lo, hi))
+    return _schedule(choice, node_ranks, wanted)
+
+
+def _schedule(choice: Choice, node_ranks: tuple, wanted: dict[int, set]) -> list[Fetches]:
+    """Who sends which range to whom: each range a node wants in a file it lacks (merged) is sent
+    once, by a rank of a node holding the file with the fewest bytes to send so far, to the rank of
+    the wanting node with the fewest to receive; in one order every rank follows (file, start,
+    node). The same on every rank given the same arguments."""
+    world = sum(len(r) for r in node_ranks)
+    sent, received, node_sent = [0] * world, [0] * world, [0] * len(node_ranks)
     transfers = []
     for x, ranges in sorted(wanted.items()):
-        for f, lo, hi in sorted(_merged(ranges)):
+        for f, lo, hi in sorted(_merged(r for r in ranges if x not in choice.holders[r[0]])):
             y = min(choice.holders[f], key=lambda y: (node_sent[y], y))
             src = min(node_ranks[y], key=lambda r: (sent[r], r))
             dst = min(node_ranks[x], key=lambda r: (received[r], r))
@@ -444,7 +450,7 @@ def _schedule(comm: Comm, choice: Choice, needs: list[Needs]) -> list[Fetches]:
                  len(transfers))
     return [Fetches(tuple((dst, f, lo, hi) for f, lo, _, src, dst, hi in transfers if src == r),
                     tuple((src, f, lo, hi) for f, lo, _, src, dst, hi in transfers if dst == r), None)
-            for r in range(comm.world_size)]
+            for r in range(world)]
 
 
 # ----------------------------------------------------------------------------- the view and the transfers
@@ -478,7 +484,7 @@ def _make_view(root: Storage, view: Storage, name: str, choice: Choice, md: byte
 
 
 def _transfer(comm: Comm, step: Storage, view: Storage, choice: Choice, fetches: Fetches, deadline: float, op: str,
-              timeout: timedelta) -> BaseException | None:
+              tag: int, timeout: timedelta) -> BaseException | None:
     """This rank's sends (from this node's copy of the step) and receives (into the view), in the
     global order every rank follows, so they never deadlock; the first error, or None."""
     if not fetches.sends and not fetches.receives:
@@ -489,7 +495,7 @@ def _transfer(comm: Comm, step: Storage, view: Storage, choice: Choice, fetches:
     def send_all() -> None:
         maps: dict[int, memoryview] = {}
         for dst, f, lo, hi in fetches.sends:
-            peer = Peer(group, comm.rank, dst, _tag(op, 1), deadline, op)
+            peer = Peer(group, comm.rank, dst, tag, deadline, op)
             try:
                 if f not in maps:
                     maps[f] = step.map(choice.files[f])
@@ -509,7 +515,7 @@ def _transfer(comm: Comm, step: Storage, view: Storage, choice: Choice, fetches:
     fds: dict[int, int] = {}
     try:
         for src, f, lo, hi in fetches.receives:
-            peer = Peer(group, comm.rank, src, _tag(op, 1), deadline, op)
+            peer = Peer(group, comm.rank, src, tag, deadline, op)
             if f not in fds:
                 fds[f] = os.open(view._path(choice.files[f]), os.O_WRONLY | os.O_NOFOLLOW)
             for a in range(lo, hi, PART_BYTES):
