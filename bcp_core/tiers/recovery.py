@@ -190,8 +190,10 @@ class Located:
     timeout: timedelta
 
     def load(self, state: dict, framework: str = "auto", strict: bool = True, *, allow_pickle: bool = False,
-             verify_checksums: bool = True, num_threads: int = 4, share_reads: bool | None = None) -> LoadResult:
+             verify_checksums: bool = True, num_threads: int | None = 4,
+             share_reads: bool | None = None) -> LoadResult:
         """Load the step into `state`, resharded, as `bcp_core.load` does. Collective."""
+        num_threads = num_threads or 4
         if self.tier == "durable":
             log.info("bcp: loading step %d from durable storage %s", self.step, self.path)
             result = load_checkpoint(self.path, state, framework, strict, process_group=self.process_group,

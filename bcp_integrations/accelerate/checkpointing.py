@@ -43,18 +43,20 @@ class BCPAccelerateCheckpointer:
     """
 
     def __init__(self, accelerator: Accelerator, async_save: bool = True, num_threads: int | None = None,
-                 preemption: bool = False):
+                 preemption: bool = False, tiers: bcp.Tiers | None = None):
         self.accelerator = accelerator
         self.async_save = async_save
         self.num_threads = num_threads
+        self.tiers = tiers
         self.last_save: bcp.SaveHandle | None = None
         self.preemption: bcp.Preemption | None = bcp.handle_preemption() if preemption else None
         self._real: dict[str, Any] | None = None
         self._total_limit: int | None = None  # the project's, hidden from Accelerate during a call
         self._loaded_step: int | None = None
+        self.loaded_path: str | None = None  # where the last load_state read from
         self.handles = [accelerator.register_save_state_pre_hook(self._save_hook),
                         accelerator.register_load_state_pre_hook(self._load_hook)]
-        accelerator.save_state = self._wrap(accelerator.save_state)
+        accelerator.save_state = self._wrap(self._tiers_folder(accelerator.save_state))
         accelerator.load_state = self._wrap(self._newest_committed(accelerator.load_state), wait_first=True)
         accelerator.end_training = self._wrap_end(accelerator.end_training)
 
@@ -103,13 +105,26 @@ class BCPAccelerateCheckpointer:
                 config.total_limit = self._total_limit
         return call
 
+    def _tiers_folder(self, save_state):
+        """``save_state()`` with tiers: Accelerate wants a folder (it creates it and writes nothing
+        there once bcp's hook ran); the project's, or the working directory, serves."""
+        @functools.wraps(save_state)
+        def call(output_dir=None, **kwargs):
+            acc = self.accelerator
+            if output_dir is None and self.tiers is not None and not acc.project_configuration.automatic_checkpoint_naming:
+                output_dir = acc.project_dir or os.getcwd()
+            return save_state(output_dir, **kwargs)
+        return call
+
     def _newest_committed(self, load_state):
         """``load_state()`` with automatic checkpoint naming: the newest *committed* checkpoint, not
         the highest-numbered folder (Accelerate's pick), which may be a save that failed."""
         @functools.wraps(load_state)
         def call(input_dir=None, **kwargs):
             acc = self.accelerator
-            if input_dir is None and acc.project_configuration.automatic_checkpoint_naming:
+            if input_dir is None and self.tiers is not None:  # the hook loads the tiers; Accelerate wants a folder
+                input_dir = acc.project_dir or os.getcwd()
+            elif input_dir is None and acc.project_configuration.automatic_checkpoint_naming:
                 input_dir = resolve(os.path.join(acc.project_dir, "checkpoints"), ACCELERATE_STEPS).root
             return load_state(input_dir, **kwargs)
         return call
@@ -153,6 +168,11 @@ class BCPAccelerateCheckpointer:
         state.update(self._stateful_loaders())
         rotate = None
         acc = self.accelerator
+        if self.tiers is not None:  # every node's memory, its replicas, durable every N-th step (docs/tiers.md)
+            self.last_save = bcp.save(self.tiers, state, step=int(acc.step), async_save=self.async_save,
+                                      num_threads=self.num_threads)
+            weights.clear()
+            return
         if acc.project_configuration.automatic_checkpoint_naming and self._total_limit is not None \
                 and acc.is_main_process:
             rotate = functools.partial(_rotate, os.path.dirname(output_dir), self._total_limit)
@@ -164,7 +184,8 @@ class BCPAccelerateCheckpointer:
         state = self._state()
         state["extra_state"] = {}
         state.update(self._stateful_loaders())
-        bcp.load(input_dir, state, num_threads=self.num_threads)
+        result = bcp.load(self.tiers if self.tiers is not None else input_dir, state, num_threads=self.num_threads)
+        self.loaded_path = result.path
         extra = state["extra_state"]
         set_rng_state(extra["rng"])
         self._loaded_step = extra["step"]
@@ -174,7 +195,7 @@ class BCPAccelerateCheckpointer:
 
 
 def register(accelerator: Accelerator, async_save: bool = True, num_threads: int | None = None,
-             preemption: bool = False) -> BCPAccelerateCheckpointer:
+             preemption: bool = False, tiers: bcp.Tiers | None = None) -> BCPAccelerateCheckpointer:
     """Make ``accelerator.save_state(dir)`` / ``load_state(dir)`` go through bcp on every rank.
 
     Models (DDP or FSDP), optimizers, LR schedulers, the GradScaler, ``register_for_checkpointing``
@@ -188,6 +209,11 @@ def register(accelerator: Accelerator, async_save: bool = True, num_threads: int
     ``preemption=True`` installs `bcp.handle_preemption()` (call ``register`` from the main thread
     of every process); the loop then asks ``ckpt.stop_requested()`` after each step and, when it
     is True, calls ``accelerator.save_state(dir)`` and ``ckpt.preemption.exit()``.
+
+    ``tiers=bcp.Tiers(...)``: every ``save_state()`` goes to the tiers as step ``accelerator.step``
+    (each node's memory, its replicas on other nodes, durable storage every ``persist_every``-th
+    step; the folder Accelerate names is left empty), and ``load_state()`` loads the newest step that
+    survives anywhere, at any number of processes (docs/tiers.md).
     """
     if getattr(accelerator, "_bcp_checkpointer", None) is not None:
         ckpt = accelerator._bcp_checkpointer
@@ -195,7 +221,7 @@ def register(accelerator: Accelerator, async_save: bool = True, num_threads: int
             ckpt.preemption = bcp.handle_preemption()
         return ckpt
     _install_skips()
-    ckpt = BCPAccelerateCheckpointer(accelerator, async_save, num_threads, preemption)
+    ckpt = BCPAccelerateCheckpointer(accelerator, async_save, num_threads, preemption, tiers)
     accelerator._bcp_checkpointer = ckpt
     return ckpt
 

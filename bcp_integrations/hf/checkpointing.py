@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from typing import Any
 
 import torch
@@ -22,10 +23,11 @@ from transformers.utils import (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME,
                                 SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME)
 
 import bcp_core as bcp
-from bcp_core import metrics
+from bcp_core import codec, metrics
 from bcp_core.dataloader import checkpointable
 from bcp_core.layout import HF_STEPS, latest_complete, list_checkpoints
 from bcp_core.rng import rng_state, set_rng_state
+from bcp_core.tiers import locate
 from bcp_core.utils import this_rank
 
 log = logging.getLogger("bcp")
@@ -56,13 +58,19 @@ class BCPCallback(TrainerCallback):
             `bcp.handle_preemption`); ``BCPTrainer.train(resume_from_checkpoint=True)`` resumes
             from it. Installs the handler now, so construct the callback on every rank from the
             main thread, before ``train``.
+        tiers: a ``bcp.Tiers``: every save goes to the tiers as its global step instead of
+            ``checkpoint-<step>/`` (each node's memory, replicas on other nodes, durable storage
+            every ``persist_every``-th step), and ``BCPTrainer.train(resume_from_checkpoint=tiers)``
+            resumes from the newest step that survives anywhere, at any world size (docs/tiers.md).
 
     A save still in flight when the script ends (``sys.exit``, an exception) is committed before the
     process exits, or the process exits 1 naming it; ``train()`` itself returns once the last one
     is committed.
     """
 
-    def __init__(self, async_save: bool = True, num_threads: int | None = None, preemption: bool = False):
+    def __init__(self, async_save: bool = True, num_threads: int | None = None, preemption: bool = False,
+                 tiers: bcp.Tiers | None = None):
+        self.tiers = tiers
         self.async_save = async_save
         self.num_threads = num_threads
         self.preemption: bcp.Preemption | None = bcp.handle_preemption() if preemption else None
@@ -141,6 +149,12 @@ class BCPCallback(TrainerCallback):
         in bcp's loader protocol (see bcp_core.dataloader.checkpointable), saved per DP rank."""
         self.wait()  # one save in flight; applies the previous save's rotation once it is committed
         bstate = self._state_to_save(state, model, optimizer, lr_scheduler, scaler, dataloader)
+        if self.tiers is not None:  # HF's files are in the state: nothing is written beside it
+            self._pending = bcp.save(self.tiers, bstate, step=state.global_step, async_save=self.async_save,
+                                     num_threads=self.num_threads)
+            if not self.async_save:
+                self.wait()
+            return self._pending
         handle = bcp.save(output_dir, bstate, async_save=self.async_save, num_threads=self.num_threads)
         if args.should_save:
             # Small files HF needs to see: trainer_state.json (read by train() to find the step and
@@ -177,6 +191,8 @@ class BCPCallback(TrainerCallback):
         if handle is None:
             return
         handle.wait()
+        if rotation is None:  # a tiered save: the tiers keep what they keep
+            return
         run_dir, limit, best = rotation
         if limit is not None and _is_main_process():
             # only after the commit: a failed save must never cost the older checkpoints
@@ -225,11 +241,37 @@ class BCPTrainerMixin:
         return super().get_train_dataloader()
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if isinstance(resume_from_checkpoint, bcp.Tiers):
+            return self._train_from_tiers(resume_from_checkpoint, *args, **kwargs)
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"no committed bcp checkpoint in {self.args.output_dir}")
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _train_from_tiers(self, tiers: bcp.Tiers, *args, **kwargs):
+        """Resume from the newest step of `tiers` that survives (collective). The Trainer reads the
+        trainer state from a folder before any hook runs: each process gets one of its own, holding
+        the step's trainer_state.json (from the step's metadata: no data file is read); the state
+        itself is loaded from the tiers by the overridden loads below."""
+        self.bcp.wait()
+        self._bcp_located = locate(tiers)
+        md = self._bcp_located.metadata
+        if "trainer_state" not in md.objects:
+            raise bcp.KeyMismatchError(f"step {self._bcp_located.step} of {tiers.memory} holds no trainer state: "
+                                       "it was not saved by BCPTrainer")
+        folder = tempfile.mkdtemp(prefix=f"bcp-resume-{self._bcp_located.step}-")
+        with open(os.path.join(folder, TRAINER_STATE_NAME), "w") as f:
+            f.write(codec.decode(md.objects["trainer_state"].encoded, "trainer_state", False))
+        self._bcp_resume_folder = folder
+        try:
+            return super().train(folder, *args, **kwargs)
+        finally:
+            self._bcp_located = self._bcp_resume_folder = None
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _resuming_tiers(self, checkpoint) -> bool:
+        return checkpoint is not None and checkpoint == getattr(self, "_bcp_resume_folder", None)
 
     def _save_checkpoint(self, model, trial) -> None:
         run_dir = self._get_output_dir(trial=trial)
@@ -257,13 +299,15 @@ class BCPTrainerMixin:
         # Weights are loaded together with the optimizer in _load_optimizer_and_scheduler, after
         # prepare(), which runs for every strategy; here only check that the checkpoint is usable.
         self.bcp.wait()
-        bcp.inspect(resume_from_checkpoint)
+        if not self._resuming_tiers(resume_from_checkpoint):
+            bcp.inspect(resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
         if checkpoint is None:
             return
         self.bcp.wait()
-        keys = bcp.inspect(checkpoint).keys()
+        located = self._bcp_located if self._resuming_tiers(checkpoint) else None
+        keys = located.metadata.keys() if located is not None else bcp.inspect(checkpoint).keys()
         state: dict[str, Any] = {"model": self.model_wrapped}
         if any(k.startswith("optimizer.") for k in keys):
             state["optimizer"] = _unwrap(self.optimizer)
@@ -277,13 +321,22 @@ class BCPTrainerMixin:
                 raise bcp.KeyMismatchError(f"{checkpoint} holds no dataloader state: it was saved without a "
                                            "train_dataloader, so the position in the data cannot be restored")
             state["dataloader"] = self.bcp_train_dataloader
-        bcp.load(checkpoint, state)
+        if located is None:
+            bcp.load(checkpoint, state)
+            return
+        state["extra_state"] = {}  # a tiered step loads once: its RNG states now, set when the Trainer asks
+        located.load(state, strict=False)
+        self._bcp_rng = state["extra_state"].get("rng")
 
     def _load_scaler(self, checkpoint) -> None:
         pass  # loaded with the optimizer
 
     def _load_rng_state(self, checkpoint) -> None:
         if checkpoint is None:
+            return
+        if self._resuming_tiers(checkpoint):
+            if getattr(self, "_bcp_rng", None) is not None:
+                set_rng_state(self._bcp_rng)
             return
         state: dict[str, Any] = {"extra_state": {}}
         bcp.load(checkpoint, state, strict=False)

@@ -30,6 +30,7 @@ from bcp_core.dataloader import loadable_loader_state, saved_loader_state
 from bcp_core.layout import remove_checkpoint, remove_superseded
 from bcp_core.metadata import parse_json
 from bcp_core.rng import rng_state, set_rng_state
+from bcp_core.tiers import locate
 
 log = logging.getLogger("bcp")
 
@@ -62,13 +63,19 @@ class BCPCheckpointIO(CheckpointIO):
             and SLURM's auto-resume pick up), commit it and every save in flight, and exit with
             status 143 (see `bcp.handle_preemption`). Installs the handler now, so construct the
             plugin on every rank from the main thread, before ``fit``.
+        tiers: a ``bcp.Tiers``: every checkpoint Lightning saves (to whatever path) goes to the tiers
+            as its global step instead (each node's memory, replicas on other nodes, durable storage
+            every ``persist_every``-th step; one save per step), and ``fit(ckpt_path=tiers)`` resumes
+            from the newest step that survives anywhere, at any world size (docs/tiers.md).
 
     A save still in flight when the script ends (after ``fit``, ``sys.exit``, an exception) is
     committed before the process exits, or the process exits 1 naming it.
     """
 
     def __init__(self, async_save: bool = True, allow_pickle: bool = False, save_rng: bool = True,
-                 num_threads: int | None = None, preemption: bool = False):
+                 num_threads: int | None = None, preemption: bool = False, tiers: bcp.Tiers | None = None):
+        self.tiers = tiers
+        self._tier_step: int | None = None  # the step last saved to the tiers
         self.async_save = async_save
         self.allow_pickle = allow_pickle
         self.save_rng = save_rng
@@ -161,13 +168,23 @@ class BCPCheckpointIO(CheckpointIO):
         state["lightning"] = json.dumps(encoded)
         if self.save_rng:
             state["extra_state"] = {"rng": rng_state()}
+        step = int(checkpoint.get("global_step", 0))
+        if self.tiers is not None:
+            if step == self._tier_step:
+                return  # this step is saved (ModelCheckpoint saves a step to several paths)
+            self._tier_step = step
+            self._pending = bcp.save(self.tiers, state, async_save=self.async_save, step=step,
+                                     allow_pickle=self.allow_pickle, num_threads=self.num_threads)
+            if not self.async_save:
+                self.wait()
+            return
         # Each save goes to a step directory inside `path`, so a new save to a path that holds a
         # checkpoint (last.ckpt) leaves that one in place until the new one is committed: bcp's
         # tracker moves at the commit, and `_AfterCommit` removes the old one after it (rank 0).
         self._pending_path = os.fspath(path)
         self._after_commit = _AfterCommit(self._pending_path) if strategy.is_global_zero else None
         save = functools.partial(bcp.save, path, state, async_save=self.async_save,
-                                 step=int(checkpoint.get("global_step", 0)), allow_pickle=self.allow_pickle,
+                                 step=step, allow_pickle=self.allow_pickle,
                                  num_threads=self.num_threads, on_commit=self._after_commit)
         if not self.async_save:
             self._settle(save)
@@ -192,7 +209,8 @@ class BCPCheckpointIO(CheckpointIO):
     def load_all_ranks(self, strategy: Strategy, path) -> dict[str, Any]:
         self.wait()
         self.log_metrics(strategy)  # also starts collecting, so this load's timings are logged later
-        keys = bcp.inspect(path).keys()
+        located = locate(path) if isinstance(path, bcp.Tiers) else None  # the newest step that survives
+        keys = located.metadata.keys() if located is not None else bcp.inspect(path).keys()
         state: dict[str, Any] = {"model": strategy.model, "lightning": None}
         has_optimizers = any(k.startswith("optimizer_0.") for k in keys)
         if has_optimizers:
@@ -202,7 +220,11 @@ class BCPCheckpointIO(CheckpointIO):
             state["extra_state"] = {}
         for name in {k.split(".", 1)[0] for k in keys if _LOADER_KEY.match(k.split(".", 1)[0])}:
             state[name] = {}  # the live loaders do not exist yet: Lightning restores them later
-        bcp.load(path, state, allow_pickle=self.allow_pickle, num_threads=self.num_threads)
+        if located is not None:
+            located.load(state, allow_pickle=self.allow_pickle, num_threads=self.num_threads)
+            self._tier_step = located.step
+        else:
+            bcp.load(path, state, allow_pickle=self.allow_pickle, num_threads=self.num_threads)
         checkpoint = codec.decode(parse_json(state["lightning"], f"the Lightning checkpoint value of {path}"),
                                   "Lightning checkpoint", self.allow_pickle)
         _restore_loader_states(strategy, checkpoint, state)

@@ -1,0 +1,42 @@
+"""Every framework entry point saves to tiers and resumes from them after a node is lost: Lightning
+(`BCPCheckpointIO(tiers=...)`, `fit(ckpt_path=tiers)`), Accelerate (`register(acc, tiers=...)`,
+`load_state()`), the HF Trainer (`BCPCallback(tiers=...)`, `BCPTrainer.train(resume_from_checkpoint=
+tiers)`). 2 ranks under torchrun, each a simulated node with a memory directory of its own; after 4
+steps saved, node 1's memory is removed and a replacement node (empty memory) resumes: step 4, every
+parameter as saved, and training goes on. (Megatron-LM: test_megatron_lm_tiers.py.)"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+import bcp_core as bcp
+from dist import Job
+
+pytestmark = pytest.mark.slow
+
+
+def _run(base, framework: str, memory: str, *args: str) -> None:
+    job = Job("tiered_frameworks.py", 2, "--framework", framework, "--base", str(base), "--memory", memory,
+              "--out", str(base / "out"), *args, env={"BCP_LOCAL_WORLD_SIZE": "1"})
+    assert job.finish(timeout=300) == 0, job.output[-6000:]
+
+
+@pytest.mark.parametrize("framework", ["lightning", "accelerate", "hf"])
+def test_framework_resumes_from_the_tiers_after_a_node_is_lost(tmp_path, framework):
+    _run(tmp_path, framework, "0,1")
+    shutil.rmtree(tmp_path / "mem1")
+    _run(tmp_path, framework, "0,new", "--resume")
+    for r in (0, 1):
+        got = torch.load(tmp_path / "out" / f"resumed_rank{r}.pt")
+        ref = torch.load(tmp_path / "out" / f"ref_{got['step']}.pt")
+        assert got["step"] == 4
+        assert got["params"].keys() == ref["params"].keys()
+        for k, v in ref["params"].items():
+            assert torch.equal(got["params"][k], v), (framework, r, k)
+    # steps 2, 4 (and, once resumed, 6) were drained: ordinary checkpoints, the newest loads anywhere
+    assert bcp.resolve(str(tmp_path / "durable")).root.endswith("step_00000006")
+    assert os.listdir(tmp_path / "memnew" / "bcp-memory" / "job")  # the new node holds steps of its own now
