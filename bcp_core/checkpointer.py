@@ -93,7 +93,7 @@ class Checkpointer:
         comm = comm_for(process_group, self.role)
         # From here on this save takes part in every exchange, whatever fails on this rank.
         self._ops += 1
-        sid = SaveId(self._ops, step, path.memory if tiered else os.fspath(path))
+        sid = SaveId(self._ops, step, path.label if tiered else os.fspath(path))
         rec = metrics.Recorder("save", comm.rank, sid.path)
         progress = SaveProgress()
         request = SaveRequest(sid, timeout, f"save to {sid.path}", user_metadata=dict(user_metadata or {}),

@@ -80,6 +80,13 @@ class Tiers:
         if self.failure_domain is not None and (not isinstance(self.failure_domain, str) or not self.failure_domain):
             raise ValueError(f"Tiers(failure_domain={self.failure_domain!r}): a non-empty string, or None")
 
+    @property
+    def label(self) -> str:
+        """How a tiered save names itself to every rank (`SaveId.path`): the same on every node,
+        where a node-local directory may be mounted at another path on each."""
+        where = self.memory if scheme_of(self.memory) == "memory" else "node-local directories"
+        return f"tiers in {where}" + (f" and {self.durable}" if self.durable else "")
+
     def domain(self) -> str | None:
         """This node's failure domain: the field, else $BCP_FAILURE_DOMAIN, else None."""
         return self.failure_domain or os.environ.get(FAILURE_DOMAIN_ENV) or None

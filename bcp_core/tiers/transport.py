@@ -43,9 +43,16 @@ def tier_group(comm: Comm, timeout: timedelta):
 
 
 def _forget_in_child() -> None:
-    global _LOCK
+    """A forked child (a DataLoader worker) must not use its parent's groups, nor destroy them: a
+    group's destructor joins threads that do not exist in the child (it crashed the worker), so
+    they stay referenced, unused."""
+    global _LOCK, _GROUPS
     _LOCK = threading.Lock()
-    _GROUPS.clear()
+    _INHERITED.append(_GROUPS)
+    _GROUPS = {}
+
+
+_INHERITED: list = []
 
 
 if hasattr(os, "register_at_fork"):

@@ -18,7 +18,8 @@ dist_checkpointing. So rather than touching each of those places:
 3. loads need nothing: the routing reads a checkpoint whose `metadata.json` names bcp with bcp, so in
    a process that made this call a bcp checkpoint resumes under any `--ckpt-format`, and a
    torch_dist one still loads under `--ckpt-format bcp`;
-4. the distributed optimizer's `fully_reshardable` state (`--dist-ckpt-optim-fully-reshardable`) is
+4. `--non-persistent-ckpt-type local` is served by bcp's tiers (local_checkpoints.py);
+5. the distributed optimizer's `fully_reshardable` state (`--dist-ckpt-optim-fully-reshardable`) is
    saved gather-free (`optimizer.fully_reshardable_param_state`), which also avoids Megatron's own
    save of that layout misplacing the state of every parameter after a padded bucket boundary
    (docs/megatron.md, "Distributed optimizer"). Megatron's own loader reads it.
@@ -80,11 +81,13 @@ def enable_megatron_lm() -> None:
                                         "add_megatron_arguments (Megatron-LM core_v0.16 to core_v0.19 are "
                                         "supported); pass add_ckpt_format_choice as its extra_args_provider")
     original = arguments.add_megatron_arguments
+    from . import local_checkpoints  # --non-persistent-ckpt-type local served by bcp's tiers
 
     def add_megatron_arguments(parser: argparse.ArgumentParser, *args, **kwargs):
-        return add_ckpt_format_choice(original(parser, *args, **kwargs))
+        return local_checkpoints.hook_parser(add_ckpt_format_choice(original(parser, *args, **kwargs)))
 
     arguments.add_megatron_arguments = add_megatron_arguments
+    local_checkpoints.enable()
     _save_fully_reshardable_gather_free()
     _state["enabled"] = True
 

@@ -11,6 +11,8 @@ an iteration's loss (the last pipeline stage) appends it to DIR/losses_rank<r>.j
 on some iterations, an average over iterations). --iteration-delay: each logged iteration then
 waits S seconds (a window for a signal to arrive mid-run). --bcp: calls
 `bcp_integrations.megatron.enable_megatron_lm()` first, so that `--ckpt-format bcp` is understood.
+BCP_TEST_NODE_LOCAL_DIRS=a,b,...: node k's `--non-persistent-local-ckpt-dir` is that directory's
+subdirectory named by the k-th entry (simulated nodes, BCP_LOCAL_WORLD_SIZE ranks each).
 """
 
 from __future__ import annotations
@@ -68,6 +70,12 @@ def main() -> None:
     if ours.bcp:
         from bcp_integrations.megatron import enable_megatron_lm
         enable_megatron_lm()
+    if os.environ.get("BCP_TEST_NODE_LOCAL_DIRS") and "--non-persistent-local-ckpt-dir" in megatron_argv:
+        # simulated nodes on one host (BCP_LOCAL_WORLD_SIZE): each its own local checkpoint directory,
+        # as each machine has its own RAM disk
+        i = megatron_argv.index("--non-persistent-local-ckpt-dir") + 1
+        node = int(os.environ["RANK"]) // int(os.environ["BCP_LOCAL_WORLD_SIZE"])
+        megatron_argv[i] = os.path.join(megatron_argv[i], os.environ["BCP_TEST_NODE_LOCAL_DIRS"].split(",")[node])
     script = os.path.join(tree, "pretrain_gpt.py")
     sys.argv = [script, *megatron_argv]
     # pretrain_gpt.py runs as `__main__` in a namespace of its own while this launcher stays
