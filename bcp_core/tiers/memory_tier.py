@@ -141,6 +141,8 @@ class TierSave:
         """The metadata (the coordinator's `progress.metadata`) recorded in every node's memory, or
         the save fails on every rank with no node keeping it (module doc)."""
         error, recorded = None, False
+        if len(comm.node_leaders) > 1:  # made by every rank (replication made it already, unless k = 0)
+            tier_group(comm, request.timeout)
         if comm.rank in comm.node_leaders:
             try:
                 md = self._relay_metadata(comm, request, progress.metadata, op)
