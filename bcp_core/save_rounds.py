@@ -265,7 +265,8 @@ def check_probes(comm: Comm, request: SaveRequest, progress: SaveProgress) -> No
                 f"{request.ckpt.root} is not shared by every node of the job: rank {comm.rank} (node "
                 f"{comm.nodes[comm.rank]}) does not see {name}, which rank {leader} (node {node}) wrote there. "
                 "A multi-node job needs storage every node reaches (a shared file system or an object "
-                "store); memory:// and node-local disks are per node")
+                "store); memory:// and node-local disks are per node (bcp.Tiers keeps checkpoints in each "
+                "node's own memory, replicated to other nodes: docs/tiers.md)")
 
 
 # ----------------------------------------------------------------------------- the coordinator's files

@@ -235,6 +235,7 @@ def _resume_earlier(rank, world, base):
     return steps, result.step, torch.equal(state["bias"], expected(2)["bias"] + 100.0)
 
 
+@pytest.mark.slow
 def test_a_resumed_job_leaves_the_old_timeline(tmp_path, monkeypatch):
     """Steps 1-4 saved (3 and 4 kept in memory); a job resumed from step 2 saves step 2 again: the old
     steps 3 and 4 are cleared on every node before the new step 2 commits, so no load finds them."""
