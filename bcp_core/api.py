@@ -59,7 +59,11 @@ def save(path: str | os.PathLike, state: dict, framework: str = "auto", async_sa
     `on_commit(path)` runs on every rank once the checkpoint is committed (an exception it raises
     is `wait()`'s `CommitCallbackError`; the checkpoint stays committed). Every wait is bounded by
     `timeout`. Each `role` (e.g. "actor", "critic") has its own plan cache, staging buffers and
-    queue. A save whose structure is unchanged on every rank reuses the cached plan: one small
+    queue.
+
+    `path` may be a `bcp.Tiers` (with a step): the checkpoint goes to each node's own memory, is
+    replicated to other nodes and committed there once every piece has its copies, and every
+    `persist_every`-th step is drained to durable storage in the background (docs/tiers.md). A save whose structure is unchanged on every rank reuses the cached plan: one small
     exchange confirms it, no planning. `num_threads`: files this rank writes at once (default: its
     share of the host's cores, at most 4, so that background writes leave training its cores).
     """
@@ -118,6 +122,10 @@ def load(path: str | os.PathLike, state: dict, framework: str = "auto", strict: 
     may load plain tensors on its own. A collective load reads the metadata once per node and fails
     on every rank, naming the rank, if any rank fails. `num_threads`: files read at once (default
     4). Every wait (exchanges, transfers) is bounded by `timeout`.
+
+    `path` may be a `bcp.Tiers`: the newest step whose every piece survives in the nodes' memory,
+    their replicas or durable storage is loaded, its missing pieces fetched from the nodes that hold
+    them (collective; `LoadResult.step` and `.tier` say which; docs/tiers.md).
 
     `mapping`: load a checkpoint of another model family or framework (a `bcp_core.mapping.Mapping`,
     e.g. `bcp.mapping.megatron_to_hf(hf_model.config)`), or "auto" to pick the declared mapping from
