@@ -75,21 +75,21 @@ def _save(rank, world, base, steps, part_bytes=None, fail_receive_at=None, names
     """Train and save every step; `fail_receive_at`: (rank, step) whose receiving of replicas fails."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from bcp_core.tiers import recovery, replication, transport
+    from bcp_core.tiers import transport
     _on_node(rank, base, names)
     if domains:
         os.environ["BCP_FAILURE_DOMAIN"] = domains[rank]
     if part_bytes:  # files and ranges travel in several parts
-        transport.PART_BYTES = replication.PART_BYTES = recovery.PART_BYTES = part_bytes
+        transport.PART_BYTES = part_bytes
     if fail_receive_at and fail_receive_at[0] == rank:  # its memory fills up with another rank's replicas
         from bcp_core.storage.memory import MemoryStorage
-        real = MemoryStorage.open_writer
+        real = MemoryStorage.create_mapped
 
-        def open_writer(self, relpath):
+        def create_mapped(self, relpath, size):
             if self.root.endswith(f"step_{fail_receive_at[1]:08d}") and f"-r{rank}_" not in relpath:
                 raise bcp.StorageError("no space left on device (injected)")
-            return real(self, relpath)
-        MemoryStorage.open_writer = open_writer
+            return real(self, relpath, size)
+        MemoryStorage.create_mapped = create_mapped
     state = initial(init_device_mesh("cpu", (world,)))
     tiers, errors = _tiers(base), {}
     for step in steps:

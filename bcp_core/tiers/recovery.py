@@ -24,12 +24,13 @@ load's timeout.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import mmap
 import os
 import secrets
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -49,7 +50,7 @@ from ..storage.base import parse_temp_name
 from ..utils import human_bytes
 from .placement import nodes_of
 from .policy import Tiers
-from .transport import PART_BYTES, Peer, tier_group
+from .transport import Peer, tier_group
 
 log = logging.getLogger("bcp")
 
@@ -497,40 +498,36 @@ def _transfer(comm: Comm, step: Storage, view: Storage, choice: Choice, fetches:
     def send_all() -> None:
         maps: dict[int, memoryview] = {}
         for dst, f, lo, hi in fetches.sends:
-            peer = Peer(group, comm.rank, dst, tag, deadline, op)
             try:
                 if f not in maps:
                     maps[f] = step.map(choice.files[f])
-                for a in range(lo, hi, PART_BYTES):
-                    b = min(a + PART_BYTES, hi)
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore", UserWarning)  # a read-only map: gloo only reads it
-                        part = torch.frombuffer(maps[f][a:b], dtype=torch.uint8)
-                    peer.send(part, f"bytes [{a}, {b}) of {choice.files[f]}")
+                Peer(group, comm.rank, dst, tag, deadline, op).send_parts(maps[f][lo:hi], choice.files[f])
             except Exception as e:  # noqa: BLE001 - reported at the agreement
                 errors.append(e)
                 return
 
     sender = threading.Thread(target=send_all, name="bcp-recover-send")
     sender.start()
-    buf = torch.empty(PART_BYTES, dtype=torch.uint8)
-    fds: dict[int, int] = {}
+    targets: dict[int, tuple] = {}  # file -> (its map, a tensor over it): bytes land in the view's file
     try:
         for src, f, lo, hi in fetches.receives:
-            peer = Peer(group, comm.rank, src, tag, deadline, op)
-            if f not in fds:
-                fds[f] = os.open(view._path(choice.files[f]), os.O_WRONLY | os.O_NOFOLLOW)
-            for a in range(lo, hi, PART_BYTES):
-                b = min(a + PART_BYTES, hi)
-                part = peer.recv(buf[:b - a], f"bytes [{a}, {b}) of {choice.files[f]}")
-                data = memoryview(part.numpy())
-                while len(data):
-                    n = os.pwrite(fds[f], data, a)
-                    data, a = data[n:], a + n
+            if f not in targets:
+                fd = os.open(view._path(choice.files[f]), os.O_RDWR | os.O_NOFOLLOW)
+                try:
+                    mapped = mmap.mmap(fd, choice.sizes[f])
+                finally:
+                    os.close(fd)
+                targets[f] = (mapped, torch.frombuffer(mapped, dtype=torch.uint8))
+            Peer(group, comm.rank, src, tag, deadline, op).recv_parts(targets[f][1][lo:hi], hi - lo,
+                                                                      choice.files[f])
     except Exception as e:  # noqa: BLE001 - reported at the agreement
         errors.append(e)
     finally:
-        for fd in fds.values():
-            os.close(fd)
         sender.join(max(deadline - time.monotonic(), 0) + 5)
+        maps = [mapped for mapped, _ in targets.values()]
+        targets.clear()  # the tensors over the maps go first
+        if not errors:  # (after a failed transfer gloo may still write into a map: it stays)
+            for mapped in maps:
+                with contextlib.suppress(BufferError):
+                    mapped.close()
     return errors[0] if errors else None

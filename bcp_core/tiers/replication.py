@@ -3,10 +3,11 @@
 After writing its pieces into its node's memory, every rank sends its data files to one rank of
 each of its replica nodes (placement.py), which writes them into that node's memory under the same
 names: a replica is byte for byte the file, so any node's copy serves any load. Sending and
-receiving overlap (a thread each); a file goes in parts of `transport.PART_BYTES`, read from the
-memory file's map (no copy) at most `bandwidth` bytes per second, two parts in flight. Each file
-travels with its XXH3 digest, which the receiver checks before the copy takes the file's name (a
-temporary name until then): a copy that exists is whole and right.
+receiving overlap (a thread each); a file goes in parts of `transport.PART_BYTES` (a few in
+flight), read from the memory file's map and received straight into the new file's map (no copy on
+either side), at most `bandwidth` bytes per second. Each file travels with its XXH3 digest, which
+the receiver checks before the copy takes the file's name (a temporary name until then): a copy
+that exists is whole and right.
 
 Every rank takes part even when its own write failed (it sends its error instead of files, so no
 peer waits), and a failure on either side is reported with the rank's write report: the commit
@@ -18,7 +19,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-import warnings
 from datetime import timedelta
 
 import torch
@@ -29,7 +29,7 @@ from ..comm import Comm
 from ..errors import StorageError
 from ..storage import Storage
 from .placement import Placement
-from .transport import PART_BYTES, Pacer, Peer, PeerFailed, tier_group
+from .transport import Pacer, Peer, PeerFailed, tier_group
 
 
 def replicate(comm: Comm, placement: Placement, ckpt: Storage, files: list[str] | None, error: str | None,
@@ -91,71 +91,46 @@ def _send_files(peer: Peer, ckpt: Storage, files: list[str] | None, error: str |
         maps[rel] = data
         manifest.append([rel, len(data), xxhash.xxh3_64_hexdigest(data)])
     peer.send_blob(json.dumps(manifest).encode(), "the replica manifest")
-    sent = 0
-    for rel, size, _ in manifest:
-        inflight: list[tuple] = []
-        for lo in range(0, size, PART_BYTES):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # a read-only map: gloo only reads it
-                part = torch.frombuffer(maps[rel][lo:lo + PART_BYTES], dtype=torch.uint8)
-            inflight.append((peer.post_send(part), part))
-            if len(inflight) == 2:
-                work, buf = inflight.pop(0)
-                peer.wait_sent(work, buf, f"{rel} bytes {lo - PART_BYTES}..")
-            pacer.sent_bytes(part.numel())
-            sent += part.numel()
-        for work, buf in inflight:
-            peer.wait_sent(work, buf, f"the end of {rel}")
-    return sent
+    return sum(peer.send_parts(maps[rel], rel, pacer) for rel, _, _ in manifest)
 
 
 def _receive_files(peer: Peer, ckpt: Storage) -> int:
-    """The sender's manifest and files, each written under a temporary name and renamed into place
-    once its digest matches. A file that cannot be written is still received (so the sender is not
-    left waiting) and the first such error raised at the end."""
+    """The sender's manifest and files, each received straight into a new file's map under a
+    temporary name, renamed into place once its digest matches. A file that cannot be made is still
+    received (so that the sender is not left waiting) and the first such error raised at the end."""
     manifest = json.loads(peer.recv_blob("the replica manifest", limit=64 << 20))
     if manifest:
         ckpt.makedirs("data")
     received, failure = 0, None
-    bufs = [torch.empty(PART_BYTES, dtype=torch.uint8) for _ in range(2 if manifest else 0)]
     for rel, size, expected in manifest:
         _check_name(rel)
-        writer = None
+        if not (type(size) is int and 0 <= size and type(expected) is str):
+            raise StorageError(f"the replica manifest of rank {peer.peer} is malformed at {rel!r}")
+        target = None
         if failure is None:
             try:
-                writer = ckpt.open_writer(rel)
+                target = ckpt.create_mapped(rel, size)
             except Exception as e:  # noqa: BLE001 - raised once every file was received
                 failure = e
-        h = xxhash.xxh3_64()
-        parts = [(lo, min(lo + PART_BYTES, size)) for lo in range(0, size, PART_BYTES)]
-        posted = None
-        for i, (lo, hi) in enumerate(parts):
-            buf = bufs[i % 2][:hi - lo]
-            work = posted if posted is not None else peer.post_recv(buf)
-            peer.wait_received(work, buf, f"{rel} bytes [{lo}, {hi})")
-            posted = None
-            if i + 1 < len(parts):  # the next part arrives while this one is written
-                nlo, nhi = parts[i + 1]
-                posted = peer.post_recv(bufs[(i + 1) % 2][:nhi - nlo])
-            data = memoryview(buf.numpy())
-            h.update(data)
-            if writer is not None:
-                try:
-                    writer.write(data)
-                except Exception as e:  # noqa: BLE001 - see above
-                    writer.abort()
-                    failure, writer = e, None
-            received += hi - lo
-        if writer is not None:
-            if h.hexdigest() != expected:
-                writer.abort()
-                failure = failure or StorageError(f"the copy of {rel} from rank {peer.peer} does not match its "
-                                                  "digest: it was damaged on the way")
-            else:
-                try:
-                    writer.close()
-                except Exception as e:  # noqa: BLE001 - see above
-                    failure = failure or e
+        out = torch.frombuffer(target.view, dtype=torch.uint8) if target is not None and size else None
+        try:
+            received += peer.recv_parts(out, size, rel)
+        except BaseException:
+            if target is not None:
+                target.abort(release=False)  # gloo may still write into the map: it stays
+            raise
+        if target is None:
+            continue
+        del out
+        if xxhash.xxh3_64_hexdigest(target.view) != expected:
+            target.abort()
+            failure = failure or StorageError(f"the copy of {rel} from rank {peer.peer} does not match its "
+                                              "digest: it was damaged on the way")
+            continue
+        try:
+            target.commit()
+        except Exception as e:  # noqa: BLE001 - see above
+            failure = failure or e
     if failure is not None:
         raise failure
     return received

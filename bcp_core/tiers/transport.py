@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
+from collections import deque
 from datetime import timedelta
 
 import torch
@@ -23,7 +25,8 @@ import torch.distributed as dist
 from ..comm import Comm
 from ..errors import CommTimeoutError
 
-PART_BYTES = 16 << 20          # one message's bytes at most: what a receiver holds per transfer in flight
+PART_BYTES = 16 << 20          # one message's bytes at most
+WINDOW = 4                     # parts in flight per stream (sent and not yet received, or posted)
 TAG_SPACE = 1 << 31
 
 _GROUPS: dict[int, tuple[Comm, object]] = {}
@@ -118,6 +121,49 @@ class Peer:
         if failed:
             raise PeerFailed(data.decode(errors="replace"))
         return data
+
+
+    # -- runs of bytes, in parts -----------------------------------------------------------------------
+
+    def send_parts(self, data: memoryview, what: str, pacer: Pacer | None = None) -> int:
+        """`data` in parts of `PART_BYTES` (read where it lies: a map's pages go to the socket), up to
+        `WINDOW` in flight; returns once every part was received. The bytes sent."""
+        inflight: deque = deque()
+        for lo in range(0, len(data), PART_BYTES):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # a read-only map: gloo only reads it
+                part = torch.frombuffer(data[lo:lo + PART_BYTES], dtype=torch.uint8)
+            inflight.append((self.post_send(part), part, lo))
+            if len(inflight) >= WINDOW:
+                self._done_sending(inflight.popleft(), what)
+            if pacer is not None:
+                pacer.sent_bytes(part.numel())
+        while inflight:
+            self._done_sending(inflight.popleft(), what)
+        return len(data)
+
+    def recv_parts(self, out: torch.Tensor | None, size: int, what: str) -> int:
+        """`size` bytes sent by `send_parts`, received straight into `out` (a uint8 tensor of `size`,
+        e.g. over a writable map of the file they belong to), or into scratch buffers and dropped
+        (`out` None: the receiver cannot keep them but must not leave the sender waiting)."""
+        scratch = [torch.empty(min(PART_BYTES, size), dtype=torch.uint8) for _ in range(WINDOW)] \
+            if out is None and size else []
+        inflight: deque = deque()
+        for i, lo in enumerate(range(0, size, PART_BYTES)):
+            hi = min(lo + PART_BYTES, size)
+            buf = out[lo:hi] if out is not None else scratch[i % WINDOW][:hi - lo]
+            inflight.append((self.post_recv(buf), buf, lo))
+            if len(inflight) >= WINDOW:
+                work, buf, at = inflight.popleft()
+                self.wait_received(work, buf, f"{what} bytes {at}..")
+        while inflight:
+            work, buf, at = inflight.popleft()
+            self.wait_received(work, buf, f"{what} bytes {at}..")
+        return size
+
+    def _done_sending(self, entry, what: str) -> None:
+        work, part, lo = entry
+        self.wait_sent(work, part, f"{what} bytes [{lo}, {lo + part.numel()})")
 
 
 class PeerFailed(Exception):
