@@ -188,12 +188,14 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--dir", default=None, help="for disk checkpoints (default: a temp dir); memory under /dev/shm")
+    ap.add_argument("--parts", default="step,recovery", help="which measurements: step, recovery")
     args = ap.parse_args()
     a = vars(args)
     table: dict = {"config": a | {"torch": torch.__version__, "cpus": os.cpu_count()}}
     runs: dict[str, list] = {"none": [], "tiers": [], "recovery": []}
+    parts = args.parts.split(",")
     for _ in range(args.repeat):
-        for system in ("none", "tiers"):
+        for system in ("none", "tiers") if "step" in parts else ():
             root = tempfile.mkdtemp(prefix="bcp_tiers_", dir="/dev/shm")
             durable = tempfile.mkdtemp(prefix="bcp_tiers_", dir=args.dir)
             try:
@@ -202,6 +204,8 @@ def main() -> int:
             finally:
                 shutil.rmtree(root, ignore_errors=True)
                 shutil.rmtree(durable, ignore_errors=True)
+        if "recovery" not in parts:
+            continue
         mem_root = tempfile.mkdtemp(prefix="bcp_tiers_rec_", dir="/dev/shm")
         disk_root = tempfile.mkdtemp(prefix="bcp_tiers_rec_", dir=args.dir)
         try:
@@ -212,9 +216,18 @@ def main() -> int:
 
     def mean(xs):
         return sum(xs) / len(xs)
+    if "step" in parts:
+        table["step"] = _step_table(runs, mean)
+    if "recovery" in parts:
+        table["recovery"] = _recovery_table(runs)
+    print(json.dumps(table, indent=2))
+    return 0
+
+
+def _step_table(runs: dict, mean) -> dict:
     none = min(mean(r["steps"][2:]) for r in runs["none"])
     best = min(runs["tiers"], key=lambda r: mean(r["steps"][2:]))
-    table["step"] = {
+    return {
         "normal_step_s": round(none, 4),
         "ckpt_every_step_s": round(mean(best["steps"][2:]), 4),
         "ckpt_step_over_normal": round(mean(best["steps"][2:]) / none, 3),
@@ -223,17 +236,18 @@ def main() -> int:
         "drained_bytes_per_persisted_step_per_node": int(best["drained_per_persisted_step"]),
         "runs_ckpt_step_over_normal": [round(mean(r["steps"][2:]) / none, 3) for r in runs["tiers"]],
     }
+
+
+def _recovery_table(runs: dict) -> dict:
     rec = {k: min(r[k] for r in runs["recovery"])
            for k in ("tiers_s", "tiers_same_nodes_s", "disk_s", "dcp_model_only_s")}
-    table["recovery"] = {
+    return {
         "state_gib_per_rank": round(runs["recovery"][0]["state_gib"], 3),
         **{k: round(v, 3) for k, v in rec.items()},
         "disk_over_tiers": round(rec["disk_s"] / rec["tiers_s"], 2),
         "disk_over_tiers_same_nodes": round(rec["disk_s"] / rec["tiers_same_nodes_s"], 2),
         "dcp_model_only_over_tiers": round(rec["dcp_model_only_s"] / rec["tiers_s"], 2),
     }
-    print(json.dumps(table, indent=2))
-    return 0
 
 
 if __name__ == "__main__":

@@ -259,3 +259,30 @@ def test_one_process_memory_and_durable_without_replicas(tmp_path, monkeypatch):
     assert bcp.resolve(str(tmp_path / "durable")).root.endswith("step_00000004")
     with pytest.raises(bcp.SaveError, match="replicas=1 needs at least 2 nodes"):
         bcp.save(bcp.Tiers("memory://solo"), state, step=5)
+
+
+def test_a_replica_is_checked_against_the_writes_checksums(tmp_path):
+    """A copy is whole and right only if its header, every block of every piece (the checksums the
+    write computed) and the padding between them are the original's: a flipped bit anywhere names
+    where."""
+    import xxhash
+
+    from bcp_core.engine import write_items
+    from bcp_core.plan_records import RankValueKey, WriteItem
+    from bcp_core.storage import LocalStorage
+    from bcp_core.tiers.replication import _check_copy
+    st = LocalStorage(str(tmp_path))
+    items = [WriteItem(f"t{i}", torch.arange(1000 * (i + 1), dtype=torch.float32), RankValueKey(f"t{i}"))
+             for i in range(3)]
+    written = write_items(st, 0, items, 1, 1024)  # 1 KiB blocks: several per piece
+    rel = written[0].file
+    data = bytearray((tmp_path / rel).read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    entry = [rel, len(data), header, xxhash.xxh3_64_hexdigest(bytes(data[:header])),
+             [[w.byte_offset, w.nbytes, list(w.checksums)] for w in written]]
+    assert _check_copy(memoryview(bytes(data)), entry, 1024) is None
+    last = max(written, key=lambda w: w.byte_offset)
+    for at, words in [(5, "another header"), (last.byte_offset + 2000, "fails the checksum of bytes [")]:
+        bad = bytearray(data)
+        bad[at] ^= 1
+        assert words in _check_copy(memoryview(bytes(bad)), entry, 1024)

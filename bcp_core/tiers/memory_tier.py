@@ -127,7 +127,12 @@ class TierSave:
         self.files = sorted({p.file for p in report.pieces}) if report.error is None else None
         if self.placement is None or not self.tiers.replicas:
             return report
-        error, self.counts = replicate(comm, self.placement, request.ckpt, self.files, report.error,
+        pieces = None
+        if self.files is not None:
+            pieces = {f: [] for f in self.files}
+            for p in report.pieces:
+                pieces[p.file].append((p.byte_offset, p.nbytes, p.checksums))
+        error, self.counts = replicate(comm, self.placement, request.ckpt, pieces, report.error,
                                        request.save.number * _TAGS_PER_SAVE + _REPLICATE,
                                        request.timeout.total_seconds(), self.tiers.bandwidth,
                                        f"s{request.save.number}/replicate")

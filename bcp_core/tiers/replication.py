@@ -5,9 +5,10 @@ each of its replica nodes (placement.py), which writes them into that node's mem
 names: a replica is byte for byte the file, so any node's copy serves any load. Sending and
 receiving overlap (a thread each); a file goes in parts of `transport.PART_BYTES` (a few in
 flight), read from the memory file's map and received straight into the new file's map (no copy on
-either side), at most `bandwidth` bytes per second. Each file travels with its XXH3 digest, which
-the receiver checks before the copy takes the file's name (a temporary name until then): a copy
-that exists is whole and right.
+either side), at most `bandwidth` bytes per second. Each file travels with its pieces' checksums
+(those the write computed, which the metadata records) and its header's digest, which the receiver
+checks before the copy takes the file's name (a temporary name until then): a copy that exists is
+whole and right, and the sender hashes nothing again.
 
 Every rank takes part even when its own write failed (it sends its error instead of files, so no
 peer waits), and a failure on either side is reported with the rank's write report: the commit
@@ -21,21 +22,25 @@ import threading
 import time
 from datetime import timedelta
 
+import numpy as np
 import torch
 import xxhash
 
 from .. import metrics
 from ..comm import Comm
+from ..engine.framing import checksum
 from ..errors import StorageError
+from ..metadata import CHECKSUM_BLOCK_BYTES, MAX_BYTES, num_blocks, parse_json
 from ..storage import Storage
 from .placement import Placement
 from .transport import Pacer, Peer, PeerFailed, tier_group
 
 
-def replicate(comm: Comm, placement: Placement, ckpt: Storage, files: list[str] | None, error: str | None,
+def replicate(comm: Comm, placement: Placement, ckpt: Storage, files: dict[str, list] | None, error: str | None,
               tag: int, timeout: float, bandwidth: float | None, op: str) -> tuple[str | None, dict]:
-    """Send this rank's `files` (paths in `ckpt`; None with `error`: its write failed) to its replica
-    ranks and receive its sources' files into `ckpt`. Returns the first error (None: every copy is
+    """Send this rank's `files` (paths in `ckpt`, each with its pieces: (byte offset, size,
+    checksums); None with `error`: its write failed) to its replica ranks and receive its sources'
+    files into `ckpt`. Returns the first error (None: every copy is
     in place) and counts (bytes sent, received)."""
     me = comm.rank
     group = tier_group(comm, timedelta(seconds=timeout))
@@ -77,35 +82,41 @@ def replicate(comm: Comm, placement: Placement, ckpt: Storage, files: list[str] 
     return (errors[0] if errors else None), counts
 
 
-def _send_files(peer: Peer, ckpt: Storage, files: list[str] | None, error: str | None, pacer: Pacer) -> int:
-    """The manifest (each file's name, size and digest), then each file's bytes; or the error."""
+def _send_files(peer: Peer, ckpt: Storage, files: dict[str, list] | None, error: str | None, pacer: Pacer) -> int:
+    """The manifest, then each file's bytes; or the error. The manifest names each file, its size, the
+    digest of its safetensors header and its pieces (byte offset, size, the checksum of each block,
+    as the write computed them): the receiver checks a copy against those, so the sender hashes
+    nothing again."""
     if files is None:
         peer.send_blob(None, "the replica manifest", error or "its write failed")
         return 0
-    maps = {}
-    manifest = []
-    for rel in files:
+    maps, entries = {}, []
+    for rel, pieces in files.items():
         data = ckpt.map(rel)
-        if data is None:
-            raise StorageError(f"{ckpt.join(rel)} cannot be mapped for replication")
+        if data is None or len(data) < 8:
+            raise StorageError(f"{ckpt.join(rel)} cannot be mapped for replication, or is no data file")
         maps[rel] = data
-        manifest.append([rel, len(data), xxhash.xxh3_64_hexdigest(data)])
-    peer.send_blob(json.dumps(manifest).encode(), "the replica manifest")
-    return sum(peer.send_parts(maps[rel], rel, pacer) for rel, _, _ in manifest)
+        header = 8 + int.from_bytes(data[:8], "little")
+        entries.append([rel, len(data), header, xxhash.xxh3_64_hexdigest(data[:header]),
+                        [[off, n, list(sums)] for off, n, sums in pieces]])
+    peer.send_blob(json.dumps({"block": CHECKSUM_BLOCK_BYTES, "files": entries}).encode(), "the replica manifest")
+    return sum(peer.send_parts(maps[e[0]], e[0], pacer) for e in entries)
 
 
 def _receive_files(peer: Peer, ckpt: Storage) -> int:
     """The sender's manifest and files, each received straight into a new file's map under a
-    temporary name, renamed into place once its digest matches. A file that cannot be made is still
-    received (so that the sender is not left waiting) and the first such error raised at the end."""
-    manifest = json.loads(peer.recv_blob("the replica manifest", limit=64 << 20))
-    if manifest:
+    temporary name, renamed into place once it checks against the manifest (`_check_copy`). A file
+    that cannot be made is still received (so that the sender is not left waiting) and the first
+    such error raised at the end."""
+    manifest = parse_json(peer.recv_blob("the replica manifest", limit=64 << 20), f"rank {peer.peer}'s manifest")
+    if not (type(manifest) is dict and type(manifest.get("block")) is int and manifest["block"] > 0
+            and type(manifest.get("files")) is list):
+        raise StorageError(f"the replica manifest of rank {peer.peer} is malformed")
+    if manifest["files"]:
         ckpt.makedirs("data")
     received, failure = 0, None
-    for rel, size, expected in manifest:
-        _check_name(rel)
-        if not (type(size) is int and 0 <= size and type(expected) is str):
-            raise StorageError(f"the replica manifest of rank {peer.peer} is malformed at {rel!r}")
+    for entry in manifest["files"]:
+        rel, size = _check_entry(entry, peer.peer)
         target = None
         if failure is None:
             try:
@@ -122,10 +133,11 @@ def _receive_files(peer: Peer, ckpt: Storage) -> int:
         if target is None:
             continue
         del out
-        if xxhash.xxh3_64_hexdigest(target.view) != expected:
+        wrong = _check_copy(target.view, entry, manifest["block"])
+        if wrong:
             target.abort()
-            failure = failure or StorageError(f"the copy of {rel} from rank {peer.peer} does not match its "
-                                              "digest: it was damaged on the way")
+            failure = failure or StorageError(f"the copy of {rel} from rank {peer.peer} {wrong}: it was damaged on "
+                                              "the way")
             continue
         try:
             target.commit()
@@ -134,6 +146,42 @@ def _receive_files(peer: Peer, ckpt: Storage) -> int:
     if failure is not None:
         raise failure
     return received
+
+
+def _check_entry(entry, sender: int) -> tuple[str, int]:
+    """A manifest entry's name and size, its fields checked (a peer's message is not trusted)."""
+    ok = type(entry) is list and len(entry) == 5 and type(entry[1]) is int and type(entry[2]) is int \
+        and type(entry[3]) is str and type(entry[4]) is list and 8 <= entry[2] <= entry[1] <= MAX_BYTES
+    if ok:
+        _check_name(entry[0])
+    if ok:
+        for piece in entry[4]:
+            ok = ok and type(piece) is list and len(piece) == 3 and all(type(x) is int for x in piece[:2]) \
+                and 0 <= piece[0] and 0 <= piece[1] and piece[0] + piece[1] <= entry[1] and type(piece[2]) is list
+    if not ok:
+        raise StorageError(f"the replica manifest of rank {sender} is malformed at {str(entry)[:200]!r}")
+    return entry[0], entry[1]
+
+
+def _check_copy(view: memoryview, entry: list, block: int) -> str | None:
+    """Why a received copy is not the file the manifest describes, or None: its header's digest, each
+    piece's block checksums (those of the write), and zeros in between (the padding)."""
+    _, size, header, digest, pieces = entry
+    if xxhash.xxh3_64_hexdigest(view[:header]) != digest:
+        return "has another header than the original"
+    pos = header
+    for off, n, sums in sorted(pieces):
+        if off < pos or np.frombuffer(view[pos:off], dtype=np.uint8).any():
+            return f"has bytes [{pos}, {off}) the original has not"
+        if len(sums) != num_blocks(n, block):
+            return f"was described with {len(sums)} checksums for {n} bytes"
+        for b, expected in enumerate(sums):
+            if checksum(view[off + b * block:off + min(n, (b + 1) * block)]) != expected:
+                return f"fails the checksum of bytes [{off + b * block}, {off + min(n, (b + 1) * block)})"
+        pos = off + n
+    if np.frombuffer(view[pos:size], dtype=np.uint8).any():
+        return f"has bytes [{pos}, {size}) the original has not"
+    return None
 
 
 def _check_name(rel: str) -> None:
