@@ -78,8 +78,8 @@ def load_checkpoint(path: str | os.PathLike, state: dict, framework: str = "auto
                     timeout: timedelta = DEFAULT_TIMEOUT, mapping: Any = None) -> LoadResult:
     """`bcp_core.load` (see there)."""
     adapter = resolve_framework(state, framework)
-    shared = group_size(process_group) > 1 and (
-        share_reads if share_reads is not None else worth_sharing(storage_for(path), process_group, state))
+    shared = group_size(process_group) > 1 and (share_reads if share_reads is not None else (
+        adapter.loads_together or worth_sharing(storage_for(path), process_group, state)))
     if not shared:
         st = resolve(path)
         md = read_metadata(st)

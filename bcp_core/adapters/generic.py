@@ -47,6 +47,9 @@ class ModuleAdapter:
     """
 
     name = "plain"
+    # Every rank of the group loads a state of this layout together (a finisher may communicate):
+    # its loads are collective unless the caller says otherwise (share_reads=False).
+    loads_together = False
 
     def matches(self, module: nn.Module) -> bool:
         return True
@@ -57,6 +60,12 @@ class ModuleAdapter:
 
     def load_module_values(self, module: nn.Module, values: dict[str, Any]) -> None:
         unwrap(module).load_state_dict(values, strict=False)
+
+    def after_module_load(self, module: nn.Module) -> None:
+        return None
+
+    def is_optimizer(self, obj: Any) -> bool:
+        return isinstance(obj, torch.optim.Optimizer)
 
     def param_fqns(self, module: nn.Module) -> dict[int, str]:
         out: dict[int, str] = {}
