@@ -31,6 +31,7 @@ from .adapters import resolve_framework
 from .comm import DEFAULT_TIMEOUT, Comm, comm_for
 from .engine import LoadStaging, ShardReader
 from .errors import BCPError, CommTimeoutError, KeyMismatchError
+from .foreign import open_resolved
 from .flatten import LoadTargets, load_targets
 from .layout import resolve
 from .load_planner import LoadPlan, plan_load, set_target
@@ -69,6 +70,7 @@ class ResolvedCheckpoint:
     """The checkpoint a collective load reads, as the group's rank 0 resolved the path."""
 
     root: str
+    format: str = ""  # a foreign checkpoint's format (bcp_core.foreign), "" for bcp's own
 
 
 @metrics.recorded("load", rank=lambda *_, process_group=None, **__: this_rank(process_group))
@@ -175,17 +177,18 @@ def _commit(staging: LoadStaging, plan: LoadPlan, targets: LoadTargets, values: 
 
 def _resolve_for_all(path: str | os.PathLike, comm: Comm, op: str, timeout: timedelta) -> Storage:
     """The checkpoint a collective load reads, resolved once by the group's rank 0 (module doc)."""
-    own, message = None, None
+    own, message, st = None, None, None
     if comm.is_coordinator:
         try:
-            message = ResolvedCheckpoint(resolve(path).root)
+            st = resolve(path)
+            message = ResolvedCheckpoint(st.root, getattr(getattr(st, "format", None), "name", ""))
         except Exception as e:  # noqa: BLE001 - every rank raises it
             own, message = e, LoadFailure.of(comm.rank, e)
         message = codec.to_wire(message)
     received = codec.from_wire(comm.broadcast(message, f"{op}/checkpoint", timeout), (ResolvedCheckpoint, LoadFailure))
     if isinstance(received, LoadFailure):
         raise_failures([received], own)
-    return storage_for(received.root)
+    return st if comm.is_coordinator else open_resolved(storage_for(received.root), received.format)
 
 
 _NODE_GROUPS: dict[tuple, Any] = {}

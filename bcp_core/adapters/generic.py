@@ -64,6 +64,11 @@ class ModuleAdapter:
     def after_module_load(self, module: nn.Module) -> None:
         return None
 
+    def companions(self, module: nn.Module) -> dict[str, Any]:
+        """Stateful objects the framework keeps beside `module` that a run's state holds too, by
+        name (a DeepSpeed engine's counters: "engine"); see bcp_core.integration.run_state."""
+        return {}
+
     def is_optimizer(self, obj: Any) -> bool:
         return isinstance(obj, torch.optim.Optimizer)
 

@@ -258,6 +258,12 @@ class DeepSpeedAdapter(ModuleAdapter):
         if opt is not None:
             layout_of(opt).refresh_low_precision()
 
+    def companions(self, module: nn.Module) -> dict[str, Any]:
+        if not is_engine(module):
+            return {}
+        from .engine import EngineCounters
+        return {"engine": EngineCounters(module)}
+
     # -- optimizer: save -------------------------------------------------------------------------
 
     def optimizer_state(self, opt, key: str, fqn_of: dict[int, str]) -> dict[str, Any]:
