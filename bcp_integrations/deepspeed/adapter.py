@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from bcp_core.adapters import ModuleAdapter, clean_fqn, register_adapter, unwrap
-from bcp_core.errors import BCPError, UnsupportedValueError
+from bcp_core.errors import BCPError, ShapeMismatchError, UnsupportedValueError
 from bcp_core.flatten import LoadTarget, LoadTargets
 from bcp_core.metadata import CheckpointMetadata
 from bcp_core.shards import Box, ShardedView, range_boxes
@@ -385,15 +385,19 @@ def _flat_targets(out: LoadTargets, md, key: str, layout: ZeroLayout, flat: int,
     for sname in snames:
         keys = [(pid, saved[names[pid]][sname]) for pid in pids if sname in saved.get(names[pid], {})]
         metas = [md.tensors.get(k) for _, k in keys]
-        if all(tm is not None and tuple(tm.shape) == layout.runs[pid].shape for (pid, _), tm in zip(keys, metas)):
+        for (pid, k), tm in zip(keys, metas):
+            if tm is not None and tuple(tm.shape) not in ((), layout.runs[pid].shape):
+                raise ShapeMismatchError(f"tensor {k!r}: checkpoint has shape {tuple(tm.shape)}, target has "
+                                         f"{layout.runs[pid].shape} (or a scalar: one value per ZeRO partition)")
+        if metas and all(tm is not None and tuple(tm.shape) == layout.runs[pid].shape
+                         for (pid, _), tm in zip(keys, metas)):
             dtype = metas[0].dtype
             cur = existing.get(sname)
             fresh = not (isinstance(cur, torch.Tensor) and cur.shape == part.shape and cur.dtype == dtype)
             target = torch.zeros_like(part, dtype=dtype) if fresh else cur
             slot[sname] = target
             for pid, k in keys:
-                run = layout.runs[pid]
-                out.targets[k] = LoadTarget(k, False, tensor=run.view(target), fresh=fresh)
+                out.targets[k] = LoadTarget(k, False, tensor=layout.runs[pid].view(target), fresh=fresh)
         elif all(tm is not None and tuple(tm.shape) == () for tm in metas):
             scalars = [(k, torch.zeros((), dtype=tm.dtype)) for (_, k), tm in zip(keys, metas)]
             for k, t in scalars:
@@ -406,9 +410,9 @@ def _flat_targets(out: LoadTargets, md, key: str, layout: ZeroLayout, flat: int,
             for _, k in keys:
                 out.targets[k] = LoadTarget(k, False, set_value=_keep(slot, sname) if k == first else _ignore)
         else:
-            shapes = {k: (tuple(tm.shape) if tm is not None else "value") for (_, k), tm in zip(keys, metas)}
-            raise BCPError(f"optimizer {key!r}: state {sname!r} of the parameters in ZeRO partition {flat} has "
-                           f"shapes {shapes}; each must be per element (the parameter's shape) or one scalar")
+            kinds = sorted({"value" if tm is None else "scalar" if tm.shape == () else "per element" for tm in metas})
+            raise BCPError(f"optimizer {key!r}: state {sname!r} is {' and '.join(kinds)} across the parameters of "
+                           f"ZeRO partition {flat} ({keys[0][1]!r}, ...); one partition keeps one kind")
     return slot
 
 

@@ -163,7 +163,11 @@ class BCPCallback(TrainerCallback):
         bstate = run_state([model], [optimizer], [lr_scheduler], scaler)
         if dataloader is not None:
             bstate["dataloader"] = dataloader
-        bstate["trainer_state"] = json.dumps(dataclasses.asdict(state), sort_keys=True)
+        # the same on every rank: the timings `on_log` adds to the history are each rank's own
+        fields = dataclasses.asdict(state)
+        fields["log_history"] = [{k: v for k, v in entry.items() if not k.startswith(metrics.SCALAR_PREFIX)}
+                                 for entry in fields["log_history"]]
+        bstate["trainer_state"] = json.dumps(fields, sort_keys=True)
         return bstate
 
     def wait(self) -> None:

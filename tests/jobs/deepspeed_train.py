@@ -1,0 +1,203 @@
+"""DeepSpeed ZeRO through bcp's plain API, as a user's torchrun job runs it (DS_ACCELERATOR=cpu, gloo).
+
+    torchrun --nproc_per_node 2 tests/jobs/deepspeed_train.py --phase matrix --root DIR
+    torchrun --nproc_per_node 1 tests/jobs/deepspeed_train.py --phase continue --root DIR
+
+A tiny LlamaForCausalLM (built from a config, no dropout) trains on fixed tokens, 2 sequences per rank
+per step (the whole batch of 4 on one rank).
+
+matrix (2 ranks): for ZeRO stage 1, 2 and 3, an engine trains 2 steps and is saved with
+`bcp.save(DIR/zero<s>, engine_state(engine) + RNG)` (stage 3 asynchronously, with one more training
+step before `wait()`: the checkpoint must hold the state of the call) and with DeepSpeed's own
+`save_checkpoint(DIR/ds<s>)` (stages 2 and 3); rank 0 writes DIR/ref_zero<s>.pt, DeepSpeed's full
+fp32 values and Adam moments (`safe_get_full_fp32_param` / `safe_get_full_optimizer_state`), the step
+and `global_steps` at the save. Then every checkpoint is loaded into a fresh engine of every stage,
+into FSDP2 (`fully_shard`), and DIR/plain (a 1-process checkpoint the test wrote) into ZeRO-3; each
+loaded state is compared, bit for bit, with its reference. A checkpoint of another shape must fail
+on every rank with one error naming the tensor and both shapes, leaving the engine as it was.
+Writes DIR/matrix_ok_rank<r> when all of it holds.
+
+continue (1 rank): ZeRO-2 loads DIR/zero3 (saved by 2 ranks), takes the step the 2-rank run took
+after its save on the same 4 sequences, and writes DIR/continued.pt (its fp32 values after it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import bcp_core as bcp  # noqa: E402
+from bcp_integrations.deepspeed import engine_state  # noqa: E402
+
+MODEL = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=2, max_position_embeddings=32)
+PER_RANK, SEQ = 2, 8
+
+
+def build_model(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**{**MODEL, **overrides}, attn_implementation="eager"))
+
+
+def tokens(step: int, rank: int, world: int) -> torch.Tensor:
+    """The step's sequences of this rank: the global batch of 2 * 2 sequences split by rank."""
+    g = torch.Generator().manual_seed(100 + step)
+    batch = torch.randint(0, MODEL["vocab_size"], (2 * PER_RANK, SEQ), generator=g)
+    n = len(batch) // world
+    return batch[rank * n:(rank + 1) * n]
+
+
+def ds_config(stage: int, world: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2 * PER_RANK // world, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+            "steps_per_print": 1000}
+
+
+def engine_for(stage: int, seed: int = 1, **overrides):
+    model = build_model(seed, **overrides)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=ds_config(stage, dist.get_world_size()))
+    return engine
+
+
+def train_step(engine, step: int) -> float:
+    ids = tokens(step, dist.get_rank(), dist.get_world_size())
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def full_values(engine) -> dict:
+    """DeepSpeed's own full fp32 values and Adam moments of every parameter (collective)."""
+    out: dict = {"global_steps": engine.global_steps}
+    for name, p in engine.module.named_parameters():
+        out[f"model.{name}"] = safe_get_full_fp32_param(p).detach().clone()
+        for k in ("exp_avg", "exp_avg_sq"):
+            out[f"optimizer.state.{name}.{k}"] = safe_get_full_optimizer_state(p, k).detach().clone()
+    inner = engine.optimizer.optimizer
+    steps = {float(s["step"]) for s in inner.state.values() if "step" in s}
+    out["step"] = steps.pop() if len(steps) == 1 else steps
+    return out
+
+
+def _relink(engine) -> None:
+    # DeepSpeed's own load leaves the per-parameter state views unlinked until the next step
+    getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", lambda: None)()
+
+
+def check_equal(got: dict, ref: dict, what: str) -> None:
+    assert got.keys() == ref.keys(), f"{what}: keys differ: {sorted(got.keys() ^ ref.keys())[:6]}"
+    for k in ref:
+        a, b = got[k], ref[k]
+        same = torch.equal(a, b) if isinstance(b, torch.Tensor) else a == b
+        assert same, f"{what}: {k} differs"
+
+
+def matrix(root: str) -> None:
+    rank = dist.get_rank()
+    refs = {}
+    for stage in (1, 2, 3):
+        engine = engine_for(stage)
+        for step in (0, 1):
+            train_step(engine, step)
+        state = {**engine_state(engine), "extra_state": {"rng": bcp.rng.rng_state()}}
+        path = os.path.join(root, f"zero{stage}")
+        if stage == 3:
+            handle = bcp.save(path, state, async_save=True)
+            refs[stage] = full_values(engine)
+            after = train_step(engine, 2)  # the next step runs while the save writes
+            handle.wait()
+            post = full_values(engine)
+            if rank == 0:
+                torch.save({"loss": after, "values": post}, os.path.join(root, "after_zero3.pt"))
+        else:
+            bcp.save(path, state)
+            refs[stage] = full_values(engine)
+            engine.save_checkpoint(os.path.join(root, f"ds{stage}"))
+        if rank == 0:
+            torch.save(refs[stage], os.path.join(root, f"ref_zero{stage}.pt"))
+
+    for src in (1, 2, 3):
+        for dst in (1, 2, 3):
+            engine = engine_for(dst, seed=7)
+            bcp.load(os.path.join(root, f"zero{src}"), engine_state(engine))
+            check_equal(full_values(engine), refs[src], f"bcp ZeRO-{src} -> ZeRO-{dst}")
+    for src in (2,):
+        for dst in (2, 3):
+            engine = engine_for(dst, seed=7)
+            bcp.load(os.path.join(root, f"ds{src}"), engine_state(engine))  # DeepSpeed's own files
+            check_equal(full_values(engine), refs[src], f"DeepSpeed ZeRO-{src} checkpoint -> ZeRO-{dst} by bcp")
+        native = engine_for(src, seed=7)
+        native.load_checkpoint(os.path.join(root, f"ds{src}"))
+        _relink(native)
+        check_equal(full_values(native), refs[src], f"DeepSpeed ZeRO-{src} loaded by DeepSpeed")
+
+    # ZeRO-3 -> FSDP2 on the same ranks: every full tensor equal
+    from torch.distributed.fsdp import fully_shard
+    model = build_model(seed=7)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    bcp.load(os.path.join(root, "zero3"), {"model": model, "optimizer": opt}, strict=True)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.full_tensor(), refs[3][f"model.{name}"]), f"FSDP2 {name}"
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][k].full_tensor(), refs[3][f"optimizer.state.{name}.{k}"]), (name, k)
+        assert float(opt.state[p]["step"]) == refs[3]["step"]
+
+    # a 1-process plain checkpoint (written by the test) -> ZeRO-3 on 2 ranks
+    engine = engine_for(3, seed=7)
+    bcp.load(os.path.join(root, "plain"), {"model": engine, "optimizer": engine.optimizer})
+    plain_ref = torch.load(os.path.join(root, "ref_plain.pt"))
+    got = full_values(engine)
+    got.pop("global_steps")
+    check_equal(got, plain_ref, "plain -> ZeRO-3")
+
+    # a checkpoint of another shape: one error on every rank, nothing changed
+    engine = engine_for(3, seed=7, vocab_size=80)
+    train_step(engine, 0)  # the optimizer state exists: the failed load must leave it too
+    before = full_values(engine)
+    try:
+        bcp.load(os.path.join(root, "zero2"), engine_state(engine))
+    except bcp.ShapeMismatchError as e:
+        assert "embed_tokens.weight" in str(e) and "(64, 16)" in str(e) and "(80, 16)" in str(e), str(e)
+    else:
+        raise AssertionError("loading a checkpoint of another vocabulary size did not fail")
+    check_equal(full_values(engine), before, "after the failed load")
+
+    open(os.path.join(root, f"matrix_ok_rank{rank}"), "w").close()
+
+
+def continue_on_one(root: str) -> None:
+    engine = engine_for(2, seed=7)
+    bcp.load(os.path.join(root, "zero3"), engine_state(engine))
+    ref = torch.load(os.path.join(root, "ref_zero3.pt"))
+    check_equal(full_values(engine), ref, "ZeRO-3 on 2 ranks -> ZeRO-2 on 1")
+    loss = train_step(engine, 2)
+    torch.save({"loss": loss, "values": full_values(engine)}, os.path.join(root, "continued.pt"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--phase", choices=("matrix", "continue"), required=True)
+    parser.add_argument("--root", required=True)
+    args = parser.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    {"matrix": matrix, "continue": continue_on_one}[args.phase](args.root)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""DeepSpeed ZeRO 1/2/3 through bcp's plain API: real engines under torchrun (DS_ACCELERATOR=cpu, gloo).
+
+tests/jobs/deepspeed_train.py does the multi-rank work (see its doc): bcp checkpoints of each stage
+loaded into each stage, into FSDP2, a 1-process checkpoint into ZeRO-3, DeepSpeed's own checkpoints
+read by bcp, a checkpoint of another shape refused, all compared bit for bit with DeepSpeed's own
+full values. Here: the job is launched as a cluster launches it, and its checkpoints are loaded into
+a plain LlamaForCausalLM + AdamW in this one process, continued as ZeRO-2 on one rank, and
+DeepSpeed's own checkpoint is exported to safetensors that `from_pretrained` loads.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("transformers")
+import torch  # noqa: E402
+
+import bcp_core as bcp  # noqa: E402
+from dist import JOBS, Job  # noqa: E402
+
+ENV = {"DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}
+
+
+def _job_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("deepspeed_train", os.path.join(JOBS, "deepspeed_train.py"))
+    module = importlib.util.module_from_spec(spec)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    spec.loader.exec_module(module)
+    return module
+
+
+def _plain_checkpoint(job, root) -> None:
+    """A run on one process with a plain model and torch's AdamW: 2 steps on the whole batch."""
+    model = job.build_model(seed=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    for step in (0, 1):
+        ids = job.tokens(step, 0, 1)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    bcp.save(os.path.join(root, "plain"), {"model": model, "optimizer": opt})
+    ref = {f"model.{n}": p.detach().clone() for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        for k in ("exp_avg", "exp_avg_sq"):
+            ref[f"optimizer.state.{n}.{k}"] = opt.state[p][k].clone()
+    ref["step"] = float(opt.state[next(iter(model.parameters()))]["step"])
+    torch.save(ref, os.path.join(root, "ref_plain.pt"))
+
+
+def _plain_state_equals(job, path, ref: dict) -> None:
+    model = job.build_model(seed=9)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    bcp.load(path, {"model": model, "optimizer": opt})
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), ref[f"model.{n}"]), n
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][k], ref[f"optimizer.state.{n}.{k}"]), (n, k)
+        assert float(opt.state[p]["step"]) == ref["step"]
+    assert opt.param_groups[0]["lr"] == 1e-2 and opt.param_groups[0]["weight_decay"] == 0.01
+
+
+@pytest.mark.timeout(900)
+def test_zero_checkpoints_reshard_across_stages_world_sizes_and_frameworks(tmp_path):
+    job = _job_module()
+    _plain_checkpoint(job, tmp_path)
+    run = Job("deepspeed_train.py", 2, "--phase", "matrix", "--root", str(tmp_path), env=ENV)
+    assert run.finish(timeout=600) == 0, run.output[-6000:]
+    assert all((tmp_path / f"matrix_ok_rank{r}").exists() for r in (0, 1))
+
+    # ZeRO-3 (2 ranks, saved asynchronously while the next step ran) -> a plain model in one process
+    refs = {s: torch.load(tmp_path / f"ref_zero{s}.pt") for s in (1, 2, 3)}
+    for s in (1, 2, 3):
+        md = bcp.inspect(tmp_path / f"zero{s}")
+        assert md.framework == "deepspeed" and md.world_size == 2
+        _plain_state_equals(job, tmp_path / f"zero{s}", refs[s])
+    # the state as of the asynchronous save's call, not the step that ran meanwhile
+    after = torch.load(tmp_path / "after_zero3.pt")
+    assert not torch.equal(after["values"]["model.lm_head.weight"], refs[3]["model.lm_head.weight"])
+
+    # DeepSpeed's own checkpoint (its global_stepN/, through its `latest`) -> a plain model
+    _plain_state_equals(job, tmp_path / "ds2", refs[2])
+    md = bcp.inspect(tmp_path / "ds2")
+    assert md.user["converted_from"] == "deepspeed" and md.world_size == 2
+    assert md.objects["engine.global_steps"].encoded == 2
+
+    # ... and exported to safetensors that Hugging Face loads
+    from transformers import LlamaForCausalLM
+
+    from bcp_core.tools.cli import main as bcp_cli
+    job.build_model().config.save_pretrained(tmp_path / "config")
+    assert bcp_cli(["export", str(tmp_path / "ds2"), str(tmp_path / "hf"), "--to", "hf",
+                    "--config", str(tmp_path / "config")]) == 0
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    for n, p in hf.named_parameters():
+        assert torch.equal(p.detach(), refs[2][f"model.{n}"]), n
+
+    # ZeRO-3 on 2 ranks -> ZeRO-2 on 1 rank, which takes the step the 2-rank run took after its save
+    run = Job("deepspeed_train.py", 1, "--phase", "continue", "--root", str(tmp_path), env=ENV)
+    assert run.finish(timeout=300) == 0, run.output[-6000:]
+    one = torch.load(tmp_path / "continued.pt")
+    for k, v in after["values"].items():
+        if isinstance(v, torch.Tensor):
+            torch.testing.assert_close(one["values"][k], v, rtol=1e-5, atol=1e-7, msg=k)
+    assert one["values"]["global_steps"] == after["values"]["global_steps"] == 3
+
+
+def _hf(root, *args: str) -> None:
+    run = Job("hf_train.py", 2, "--root", str(root), "--steps", "4", "--save-steps", "2", *args, env=ENV)
+    assert run.finish(timeout=400) == 0, run.output[-6000:]
+
+
+def _losses(root) -> dict:
+    import json
+    with open(os.path.join(root, "losses_rank0.json")) as f:
+        return {step: loss for step, loss in json.load(f)}
+
+
+def _same_reference(a: dict, b: dict) -> None:
+    assert a["global_steps"] == b["global_steps"] and a["step"] == b["step"]
+    for n, v in a["model"].items():
+        assert torch.equal(v, b["model"][n]), n
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(a["optimizer"][n][k], b["optimizer"][n][k]), (n, k)
+    assert a["scheduler"] == b["scheduler"]
+
+
+def _hf_stop_and_resume(tmp_path, stage: int) -> None:
+    full, part = tmp_path / "full", tmp_path / "part"
+    _hf(full, "--zero", str(stage))
+    _hf(part, "--zero", str(stage), "--stop-at", "2")  # the job ends after its step-2 checkpoint
+    assert sorted(p.name for p in part.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-2"]
+    ckpt = part / "checkpoint-2"
+    assert sorted(os.listdir(ckpt)) == ["bcp_metadata.json", "bcp_metrics.jsonl", "config.json", "data",
+                                        "trainer_state.json"]  # bcp's files only: no global_step*, no .pt
+    assert bcp.inspect(ckpt).framework == "deepspeed"
+    _hf(part, "--zero", str(stage), "--resume")
+    assert _losses(part) == _losses(full) and sorted(_losses(full)) == [1, 2, 3, 4]
+    _same_reference(torch.load(part / "reference_4.pt"), torch.load(full / "reference_4.pt"))
+
+
+@pytest.mark.timeout(900)
+def test_hf_trainer_zero3_stops_and_resumes_bit_identical(tmp_path):
+    _hf_stop_and_resume(tmp_path, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_hf_trainer_zero2_stops_and_resumes_bit_identical(tmp_path):
+    _hf_stop_and_resume(tmp_path, 2)
