@@ -151,3 +151,36 @@ def test_hf_trainer_zero3_stops_and_resumes_bit_identical(tmp_path):
 @pytest.mark.timeout(900)
 def test_hf_trainer_zero2_stops_and_resumes_bit_identical(tmp_path):
     _hf_stop_and_resume(tmp_path, 2)
+
+
+def _same_values(a: dict, b: dict) -> None:
+    for n, v in a["model"].items():
+        assert torch.equal(v, b["model"][n]), n
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(a["optimizer"][n][k], b["optimizer"][n][k]), (n, k)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_accelerate_deepspeed_plugin_resumes_at_another_stage_and_world_size(tmp_path):
+    """`register(accelerator)` with a DeepSpeedPlugin: ZeRO-3 on 2 processes saves with save_state; ZeRO-3
+    on 2 resumes bit-identically; ZeRO-2 on 1 process loads the same values and trains on."""
+    def run(nproc: int, root, *args: str) -> None:
+        job = Job("accelerate_train.py", nproc, "--root", str(root), *args, env=ENV)
+        assert job.finish(timeout=400) == 0, job.output[-6000:]
+
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    for d in (a, b, c):
+        d.mkdir()
+    run(2, a, "--zero", "3", "--steps", "6", "--save-every", "3")
+    assert bcp.inspect(a / "step_00000003").framework == "deepspeed"
+    run(2, b, "--zero", "3", "--steps", "6", "--resume", str(a / "step_00000003"))
+    ref3, ref6 = torch.load(a / "reference_3.pt"), torch.load(a / "reference_6.pt")
+    _same_values(torch.load(b / "resumed.pt"), ref3)
+    end = torch.load(b / "reference_6.pt")
+    _same_values(end, ref6)
+    assert end["global_steps"] == ref6["global_steps"] == 6 and end["scheduler"] == ref6["scheduler"]
+    run(1, c, "--zero", "2", "--steps", "6", "--resume", str(a / "step_00000003"))
+    resumed = torch.load(c / "resumed.pt")
+    _same_values(resumed, ref3)
+    assert resumed["global_steps"] == 3 and resumed["scheduler"] == ref3["scheduler"]

@@ -12,8 +12,10 @@ import accelerate.accelerator as _acc_module
 from accelerate import Accelerator
 
 import bcp_core as bcp
+from bcp_core import integration
 from bcp_core.dataloader import checkpointable
-from bcp_core.layout import StepNaming, prune, resolve
+from bcp_core.integration import run_state
+from bcp_core.layout import StepNaming, resolve
 from bcp_core.rng import rng_state, set_rng_state
 
 log = logging.getLogger("bcp")
@@ -128,13 +130,10 @@ class BCPAccelerateCheckpointer:
         if real is None:
             raise RuntimeError("bcp hooks run only inside the save_state/load_state of the accelerator they "
                                "were registered on")
-        state: dict[str, Any] = {}
-        for kind, name in (("_models", "model"), ("_optimizers", "optimizer"), ("_schedulers", "scheduler"),
-                           ("_custom_objects", "custom")):
-            for i, obj in enumerate(real[kind]):
-                state[name if i == 0 else f"{name}_{i}"] = _unwrap(obj)
-        if real["scaler"] is not None:
-            state["scaler"] = real["scaler"]
+        # models as prepared (DDP, FSDP, a DeepSpeed engine with its counters), the rest unwrapped
+        state = run_state(real["_models"], real["_optimizers"], real["_schedulers"], real["scaler"], rng=False)
+        for i, obj in enumerate(real["_custom_objects"]):
+            state["custom" if i == 0 else f"custom_{i}"] = obj
         return state
 
     def _stateful_loaders(self) -> dict[str, Any]:
@@ -155,7 +154,10 @@ class BCPAccelerateCheckpointer:
         acc = self.accelerator
         if acc.project_configuration.automatic_checkpoint_naming and self._total_limit is not None \
                 and acc.is_main_process:
-            rotate = functools.partial(_rotate, os.path.dirname(output_dir), self._total_limit)
+            root, limit = os.path.dirname(output_dir), self._total_limit
+
+            def rotate(committed: str) -> None:  # the save's on_commit, once it is committed
+                integration.rotate(root, limit, ACCELERATE_STEPS, why=f"total_limit={limit}: after {committed}")
         self.last_save = bcp.save(output_dir, state, async_save=self.async_save, num_threads=self.num_threads,
                                   on_commit=rotate)
         weights.clear()  # Accelerate's own model files
@@ -225,31 +227,6 @@ def _install_skips() -> None:
 
 
 # ----------------------------------------------------------------------------- helpers
-
-def _rotate(root: str, total_limit: int, committed: str) -> None:
-    """`total_limit` applied to `root` once `committed` is (the save's on_commit, main process): the
-    newest `total_limit` committed checkpoint_<n> folders stay, older ones and the leftovers of
-    failed saves go (`bcp_core.layout.prune`). Errors are logged, never raised: the checkpoint is
-    committed."""
-    try:
-        failed = prune(root, max(total_limit, 1), naming=ACCELERATE_STEPS).failed
-    except Exception as e:  # noqa: BLE001 - see above
-        failed = (("", str(e)),)
-    for name, why in failed:
-        log.warning("bcp: total_limit=%d: after %s was committed, could not remove %s under %s: %s", total_limit,
-                    committed, name or "the old checkpoints", root, why)
-
-
-def _unwrap(obj):
-    """The torch optimizer / scheduler under Accelerate's wrappers; models stay wrapped (DDP/FSDP)."""
-    from accelerate.optimizer import AcceleratedOptimizer
-    from accelerate.scheduler import AcceleratedScheduler
-    if isinstance(obj, AcceleratedOptimizer):
-        return obj.optimizer
-    if isinstance(obj, AcceleratedScheduler):
-        return obj.scheduler
-    return obj
-
 
 def _loader_position(dl) -> dict[str, Any]:
     # The values Accelerate tracks itself: the epoch counter and a seedable sampler's seed/epoch
