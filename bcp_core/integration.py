@@ -71,14 +71,22 @@ def run_state(models: Sequence[nn.Module], optimizers: Sequence[Any] = (), sched
             state[_numbered("scheduler", i)] = unwrapped(s)
     if scaler is not None:
         state["scaler"] = scaler
-    if models:
-        adapter = resolve_framework(state, framework)
-        for i, m in enumerate(models):
-            for name, obj in adapter.companions(m).items():
-                state[_numbered(name, i)] = obj
+    state.update(companions(models, state, framework))
     if rng:
         state["extra_state"] = {"rng": rng_state()}
     return state
+
+
+def companions(models: Sequence[nn.Module], state: dict[str, Any] | None = None,
+               framework: str = "auto") -> dict[str, Any]:
+    """What each model's framework keeps beside it, by state key (``engine``, ``engine_1``... for
+    DeepSpeed engines: `ModuleAdapter.companions`); `state` is the rest of the state (the adapter is
+    resolved from all of it)."""
+    if not models:
+        return {}
+    full = {**(state or {}), **{f"_model_{i}": m for i, m in enumerate(models)}}
+    adapter = resolve_framework(full, framework)
+    return {_numbered(name, i): obj for i, m in enumerate(models) for name, obj in adapter.companions(m).items()}
 
 
 def restore_rng(state: dict[str, Any]) -> None:

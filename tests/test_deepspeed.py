@@ -109,7 +109,8 @@ def test_zero_checkpoints_reshard_across_stages_world_sizes_and_frameworks(tmp_p
 
 
 def _hf(root, *args: str) -> None:
-    run = Job("hf_train.py", 2, "--root", str(root), "--steps", "4", "--save-steps", "2", *args, env=ENV)
+    defaults = () if "--steps" in args else ("--steps", "4", "--save-steps", "2")
+    run = Job("hf_train.py", 2, "--root", str(root), *defaults, *args, env=ENV)
     assert run.finish(timeout=400) == 0, run.output[-6000:]
 
 
@@ -184,3 +185,54 @@ def test_accelerate_deepspeed_plugin_resumes_at_another_stage_and_world_size(tmp
     resumed = torch.load(c / "resumed.pt")
     _same_values(resumed, ref3)
     assert resumed["global_steps"] == 3 and resumed["scheduler"] == ref3["scheduler"]
+
+
+def _holds(path, reference_file) -> None:
+    """Checkpoint `path` (of the HF job under DeepSpeed) holds, bit for bit, DeepSpeed's full values in
+    `reference_file`: loaded into a plain model and torch's AdamW in this process."""
+    from dist import bcp_verify
+    bcp_verify(str(path))
+    ref = torch.load(reference_file)
+    job = _job_module()
+    model = job.build_model(seed=9)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = {"model": model, "optimizer": opt, "engine": {}}
+    bcp.load(path, state)
+    assert state["engine"]["global_steps"] == ref["global_steps"]
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), ref["model"][n]), n
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][k], ref["optimizer"][n][k]), (n, k)
+        assert [float(opt.state[p]["step"])] == ref["step"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_hf_zero3_failed_write_on_one_rank_commits_nothing_and_sigterm_commits_and_resumes(tmp_path):
+    import re
+    import signal
+
+    # a write fails on rank 1 only, in the save of checkpoint-4: every rank fails that save, none commits it
+    failed = tmp_path / "failed"
+    run = Job("hf_train.py", 2, "--root", str(failed), "--steps", "4", "--save-steps", "2", "--zero", "3",
+              env={**ENV, "BCP_TEST_FAULT": "write:rank=1:save=2"})
+    assert run.finish(timeout=400) != 0
+    assert re.search(rf"SaveError: save to {re.escape(str(failed))}/checkpoint-4 failed and was not committed: "
+                     r".*rank 1.*No space left on device", run.output), run.output[-4000:]
+    assert not (failed / "checkpoint-4" / "bcp_metadata.json").exists()
+    _holds(failed / "checkpoint-2", failed / "reference_2.pt")
+
+    # SIGTERM mid-run: both ranks stop at one agreed step, save there, exit 143; the relaunch resumes exactly
+    full, part = tmp_path / "full", tmp_path / "part"
+    _hf(full, "--zero", "3", "--steps", "8", "--save-steps", "4")
+    job = Job("hf_train.py", 2, "--root", str(part), "--steps", "8", "--save-steps", "4", "--zero", "3",
+              "--preemption", "--step-delay", "0.3", env=ENV)
+    job.wait_for(str(part / "progress_rank1"), lambda text: int(text.split()[0]) >= 3)
+    job.signal(signal.SIGTERM)
+    assert job.finish(timeout=300) != 0
+    steps = sorted(int(p.name.split("-")[1]) for p in part.iterdir() if p.name.startswith("checkpoint-"))
+    stop = steps[-1]
+    assert 3 <= stop < 8 and "exiting with status 143" in job.output, job.output[-4000:]
+    _holds(part / f"checkpoint-{stop}", full / f"reference_{stop}.pt")
+    _hf(part, "--zero", "3", "--steps", "8", "--save-steps", "4", "--resume")
+    _holds(part / "checkpoint-8", full / "reference_8.pt")
