@@ -49,7 +49,7 @@ class BCPAccelerateCheckpointer:
         self.accelerator = accelerator
         self.async_save = async_save
         self.num_threads = num_threads
-        self.last_save: bcp.SaveHandle | None = None
+        self.pending = integration.PendingSave()
         self.preemption: bcp.Preemption | None = bcp.handle_preemption() if preemption else None
         self._real: dict[str, Any] | None = None
         self._total_limit: int | None = None  # the project's, hidden from Accelerate during a call
@@ -61,15 +61,9 @@ class BCPAccelerateCheckpointer:
         accelerator.end_training = self._wrap_end(accelerator.end_training)
 
     def wait(self) -> None:
-        handle, self.last_save = self.last_save, None
-        if handle is None:
-            return
-        try:
-            handle.wait()
-        except bcp.CommitCallbackError as e:
-            # Committed on every process; only this one's rotation after it failed. Raising here, on
-            # one process alone, would leave the others waiting for it in the next save.
-            log.error("bcp: %s", e)
+        """Block until the last save is committed (its failure re-raised; a failure of this process's
+        rotation after the commit only logged: see `bcp_core.integration.PendingSave`)."""
+        self.pending.wait()
 
     def stop_requested(self) -> bool:
         """Call once per step on every process: True on all of them at the same step once any
@@ -158,8 +152,8 @@ class BCPAccelerateCheckpointer:
 
             def rotate(committed: str) -> None:  # the save's on_commit, once it is committed
                 integration.rotate(root, limit, ACCELERATE_STEPS, why=f"total_limit={limit}: after {committed}")
-        self.last_save = bcp.save(output_dir, state, async_save=self.async_save, num_threads=self.num_threads,
-                                  on_commit=rotate)
+        self.pending.start(bcp.save(output_dir, state, async_save=self.async_save, num_threads=self.num_threads,
+                                    on_commit=rotate))
         weights.clear()  # Accelerate's own model files
 
     def _load_hook(self, models, input_dir) -> None:

@@ -57,18 +57,29 @@ def tokens(step: int, rank: int, world: int) -> torch.Tensor:
     return batch[rank * n:(rank + 1) * n]
 
 
-def ds_config(stage: int, world: int) -> dict:
+def ds_config(stage: int, world: int, bf16: bool = False, offload: bool = False) -> dict:
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
     return {"train_micro_batch_size_per_gpu": 2 * PER_RANK // world, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-            "steps_per_print": 1000}
+            "zero_optimization": zero, "bf16": {"enabled": bf16}, "steps_per_print": 1000}
 
 
-def engine_for(stage: int, seed: int = 1, **overrides):
+def engine_for(stage: int, seed: int = 1, bf16: bool = False, offload: bool = False, **overrides):
     model = build_model(seed, **overrides)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=ds_config(stage, dist.get_world_size()))
+                                      config=ds_config(stage, dist.get_world_size(), bf16, offload))
     return engine
+
+
+def low_precision_follows(engine, what: str) -> None:
+    """The engine's bf16 working copies equal its fp32 master values, rounded (after a load)."""
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        for name, p in engine.module.named_parameters():
+            assert p.dtype == torch.bfloat16, (what, name, p.dtype)
+            assert torch.equal(p.data, safe_get_full_fp32_param(p).to(torch.bfloat16)), f"{what}: {name}"
 
 
 def train_step(engine, step: int) -> float:
@@ -143,6 +154,19 @@ def matrix(root: str) -> None:
         native.load_checkpoint(os.path.join(root, f"ds{src}"))
         _relink(native)
         check_equal(full_values(native), refs[src], f"DeepSpeed ZeRO-{src} loaded by DeepSpeed")
+
+    # mixed precision (bf16) with the optimizer offloaded to the CPU (ZeRO-Offload): saved from the fp32
+    # master values, loaded into bf16 engines of stage 2 and 3, whose bf16 copies follow
+    engine = engine_for(3, bf16=True, offload=True)
+    for step in (0, 1):
+        train_step(engine, step)
+    bcp.save(os.path.join(root, "zero3_bf16"), engine_state(engine))
+    ref = full_values(engine)
+    for dst in (2, 3):
+        engine = engine_for(dst, seed=7, bf16=True)
+        bcp.load(os.path.join(root, "zero3_bf16"), engine_state(engine))
+        check_equal(full_values(engine), ref, f"bf16 ZeRO-3 offloaded -> bf16 ZeRO-{dst}")
+        low_precision_follows(engine, f"bf16 ZeRO-{dst}")
 
     # ZeRO-3 -> FSDP2 on the same ranks: every full tensor equal
     from torch.distributed.fsdp import fully_shard
