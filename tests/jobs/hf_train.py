@@ -142,7 +142,9 @@ def main() -> None:
         p.error("--resume needs --trainer bcp: a plain Trainer cannot read bcp checkpoints")
     faults.install_from_env()
 
-    targs = TrainingArguments(output_dir=args.root, use_cpu=True, per_device_train_batch_size=2,
+    on_gpu = os.environ.get("BCP_TEST_DEVICE", "cpu") == "cuda"  # the GPU check's runs (tests/test_cuda_deepspeed.py)
+    targs = TrainingArguments(output_dir=args.root, use_cpu=not on_gpu, full_determinism=on_gpu,
+                              per_device_train_batch_size=2,
                               max_steps=args.steps, save_strategy="steps", save_steps=args.save_steps,
                               save_total_limit=args.save_total_limit,
                               learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=2, report_to="none",
