@@ -28,6 +28,7 @@ DeepSpeed internals are read here only; nothing in DeepSpeed is patched.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,13 +76,13 @@ class Run:
     offset: int
 
     def view(self, flat: torch.Tensor, stepped: bool = True) -> ShardedView:
-        """The boxes of this run, as views of `flat` (the partition or a state tensor shaped like it)."""
+        """The boxes of this run, as views of `flat` (the partition or a state tensor shaped like it;
+        a master copy of a whole parameter is viewed flat)."""
+        flat = flat.view(-1)
         src = flat.narrow(0, self.offset, self.numel) if self.numel else flat[:0]
         boxes = []
         for offs, lens, first in range_boxes(self.shape, self.start, self.start + self.numel):
-            n = 1
-            for x in lens:
-                n *= x
+            n = math.prod(lens)
             boxes.append(Box(offs, lens, src[first - self.start: first - self.start + n].view(lens)))
         return ShardedView(self.shape, flat.dtype, boxes, stepped=stepped)
 
@@ -110,9 +111,23 @@ class ZeroLayout:
                     sub, offset, length = opt.grad_position[opt.get_param_id(p)]
                     start = opt._get_param_partition_rank(p) * length
                     numel = max(0, min(length, p.ds_numel - start))
-                    self.runs[id(p)] = Run(tuple(p.ds_shape), start, numel, sub, offset)
-                    self.params[id(p)] = p
-        else:
+                    self._add(p, Run(tuple(p.ds_shape), start, numel, sub, offset))
+        elif hasattr(opt, "fp32_groups_flat"):  # FP16_Optimizer without ZeRO: one whole flat per group
+            self.flats = list(opt.fp32_groups_flat)
+            self.group_of = list(range(len(self.flats)))
+            for i, group in enumerate(opt.fp16_groups):
+                offset = 0
+                for p in group:
+                    self._add(p, Run(tuple(p.shape), 0, p.numel(), i, offset))
+                    offset += p.numel()
+        elif hasattr(opt, "fp32_groups"):  # FP16_UnfusedOptimizer without ZeRO: a master copy per parameter
+            self.flats, self.group_of = [], []
+            for i, (lps, hps) in enumerate(zip(opt.fp16_groups, opt.fp32_groups)):
+                for p, hp in zip(lps, hps):
+                    self._add(p, Run(tuple(p.shape), 0, p.numel(), len(self.flats), 0))
+                    self.flats.append(hp)
+                    self.group_of.append(i)
+        else:  # stages 1 and 2, and the bf16 optimizer: DeepSpeed's fragment of each parameter
             groups = getattr(opt, "bit16_groups", None)
             self.flats = list(getattr(opt, "single_partition_of_fp32_groups", None) or [])
             if groups is None:  # BF16_Optimizer (stage 0 with bf16)
@@ -122,14 +137,17 @@ class ZeroLayout:
                 for p in group:
                     m = getattr(p, "_hp_mapping", None)
                     if m is None:
-                        self.runs[id(p)] = Run(tuple(p.shape), 0, 0, i, 0)
-                    else:
-                        lp, hp = m.lp_fragment_address, m.hp_fragment_address
-                        if lp.numel != hp.numel:
-                            raise BCPError(f"DeepSpeed fragment of a parameter of shape {tuple(p.shape)} has "
-                                           f"{lp.numel} low-precision and {hp.numel} fp32 elements")
-                        self.runs[id(p)] = Run(tuple(p.shape), lp.start, lp.numel, i, hp.start)
-                    self.params[id(p)] = p
+                        self._add(p, Run(tuple(p.shape), 0, 0, i, 0))
+                        continue
+                    lp, hp = m.lp_fragment_address, m.hp_fragment_address
+                    if lp.numel != hp.numel:
+                        raise BCPError(f"DeepSpeed fragment of a parameter of shape {tuple(p.shape)} has "
+                                       f"{lp.numel} low-precision and {hp.numel} fp32 elements")
+                    self._add(p, Run(tuple(p.shape), lp.start, lp.numel, i, hp.start))
+
+    def _add(self, p: nn.Parameter, run: Run) -> None:
+        self.runs[id(p)] = run
+        self.params[id(p)] = p
 
     def state(self, flat: int) -> dict:
         """The inner optimizer's state of flat partition `flat` (created on first use, as a step would)."""
@@ -158,6 +176,12 @@ class ZeroLayout:
             if persistent:
                 persistent[0].partition(persistent)
                 persistent[0].all_gather(persistent)
+        elif hasattr(opt, "fp32_groups_flat"):  # the parameters are views of the low-precision flats
+            for lp, hp in zip(opt.fp16_groups_flat, opt.fp32_groups_flat):
+                lp.data.copy_(hp.data)
+        elif hasattr(opt, "fp32_groups"):
+            for pid, run in self.runs.items():
+                self.params[pid].data.copy_(self.flats[run.flat].data)
         else:
             opt.update_lp_params()
 
@@ -178,37 +202,28 @@ def zero_optimizer_of(obj: Any):
     return obj if _is_zero(obj) else None
 
 
+# What tells DeepSpeed's optimizers apart: ZeRO-3, ZeRO-1/2, the bf16 optimizer, the fp16 optimizers
+# (fused: flat master copies per group; unfused: one per parameter)
+_MASTER_COPIES = ("fp32_partitioned_groups_flat", "bit16_groups", "fp32_groups_flat_partition", "fp32_groups_flat",
+                  "fp32_groups")
+
+
 def _is_zero(obj: Any) -> bool:
-    return obj is not None and (hasattr(obj, "fp32_partitioned_groups_flat") or hasattr(obj, "bit16_groups")
-                                or hasattr(obj, "fp32_groups_flat_partition"))
-
-
-_LAYOUTS: dict[int, tuple[Any, ZeroLayout]] = {}
+    """A DeepSpeed optimizer that keeps fp32 master copies of the parameters (ZeRO, bf16, fp16)."""
+    return obj is not None and type(obj).__module__.startswith("deepspeed.") and \
+        any(hasattr(obj, a) for a in _MASTER_COPIES)
 
 
 def layout_of(opt) -> ZeroLayout:
-    """The layout of `opt`, built once (DeepSpeed fixes it at initialisation). Rebuilt if the
-    parameters' fragments were relinked (a DeepSpeed load relinks them)."""
-    cached = _LAYOUTS.get(id(opt))
-    if cached is not None and cached[0] is opt and _still_linked(cached[1]):
-        return cached[1]
-    layout = ZeroLayout(opt)
-    _LAYOUTS[id(opt)] = (opt, layout)
-    return layout
-
-
-def _still_linked(layout: ZeroLayout) -> bool:
-    if layout.stage3:
-        return all(f is g for f, g in zip(layout.flats, layout.opt.fp32_partitioned_groups_flat))
-    flats = getattr(layout.opt, "single_partition_of_fp32_groups", None) or \
-        getattr(layout.opt, "fp32_groups_flat_partition", ())
-    return all(f is g for f, g in zip(layout.flats, flats))
+    """Where each parameter of `opt` lives, read afresh (a DeepSpeed load relinks the fragments)."""
+    return ZeroLayout(opt)
 
 
 # ----------------------------------------------------------------------------- the adapter
 
 class DeepSpeedAdapter(ModuleAdapter):
-    """`framework="deepspeed"`: a DeepSpeed engine (or the module it trains) and its ZeRO optimizer."""
+    """`framework="deepspeed"`: a DeepSpeed engine (or the module it trains) and its ZeRO optimizer (or
+    its bf16 / fp16 optimizer without ZeRO: master copies, laid out as whole runs)."""
 
     name = "deepspeed"
     loads_together = True  # the low-precision copies are re-gathered over the data-parallel group
@@ -278,7 +293,7 @@ class DeepSpeedAdapter(ModuleAdapter):
                 continue  # the ranks holding its elements save its state
             for sname, v in layout.state(run.flat).items():
                 k = f"state.{names[pid]}.{sname}"
-                if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == layout.flats[run.flat].shape:
+                if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape == layout.flats[run.flat].shape:
                     out[k] = run.view(v)
                 elif not isinstance(v, torch.Tensor) or v.dim() == 0:
                     out[k] = v  # one value per flat partition (Adam's step): every parameter in it has it
@@ -342,14 +357,13 @@ class DeepSpeedAdapter(ModuleAdapter):
 
 
 def _torch_optimizer(opt, key: str) -> torch.optim.Optimizer:
-    """DeepSpeed without ZeRO hands the torch optimizer over (possibly wrapped): the generic path."""
+    """DeepSpeed in fp32 without ZeRO hands the torch optimizer over (possibly wrapped): the generic path."""
     inner = opt
     while not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optimizer"):
         inner = inner.optimizer
     if not isinstance(inner, torch.optim.Optimizer):
-        raise UnsupportedValueError(f"optimizer {key!r}: {type(opt).__name__} is neither a ZeRO optimizer nor a "
-                                    "torch optimizer; bcp does not know its state (DeepSpeed's FP16_Optimizer "
-                                    "without ZeRO: use ZeRO stage 1 or bf16)")
+        raise UnsupportedValueError(f"optimizer {key!r}: {type(opt).__name__} is neither one of DeepSpeed's "
+                                    "optimizers bcp knows (ZeRO 1/2/3, bf16, fp16) nor a torch optimizer")
     return inner
 
 

@@ -24,8 +24,18 @@ class EngineCounters:
         self.engine = engine
 
     def _scaler(self):
+        """The object holding the loss-scale state: ZeRO's `loss_scaler`, or DeepSpeed's fp16 optimizer
+        without ZeRO itself (it keeps `cur_scale`... as attributes)."""
         opt = zero_optimizer_of(self.engine) or getattr(self.engine, "optimizer", None)
-        return getattr(opt, "loss_scaler", None)
+        scaler = getattr(opt, "loss_scaler", None)
+        return scaler if scaler is not None else (opt if hasattr(opt, "cur_scale") else None)
+
+    def bcp_load_template(self) -> dict[str, Any]:
+        """What a load needs (the counters); the loss scaler's state is taken where the checkpoint has it
+        (a run without loss scaling, or with another optimizer, saved other fields)."""
+        sd = self.state_dict()
+        sd.pop("loss_scaler", None)
+        return sd
 
     def state_dict(self) -> dict[str, Any]:
         e = self.engine

@@ -12,7 +12,8 @@ step before `wait()`: the checkpoint must hold the state of the call) and with D
 `save_checkpoint(DIR/ds<s>)` (stages 2 and 3); rank 0 writes DIR/ref_zero<s>.pt, DeepSpeed's full
 fp32 values and Adam moments (`safe_get_full_fp32_param` / `safe_get_full_optimizer_state`), the step
 and `global_steps` at the save. Then every checkpoint is loaded into a fresh engine of every stage,
-into FSDP2 (`fully_shard`), and DIR/plain (a 1-process checkpoint the test wrote) into ZeRO-3; each
+bf16 with the optimizer offloaded (ZeRO-Offload) into bf16 engines of stage 0 (no ZeRO), 2 and 3 and
+back, into FSDP2 (`fully_shard`), and DIR/plain (a 1-process checkpoint the test wrote) into ZeRO-3; each
 loaded state is compared, bit for bit, with its reference. A checkpoint of another shape must fail
 on every rank with one error naming the tensor and both shapes, leaving the engine as it was.
 Writes DIR/matrix_ok_rank<r> when all of it holds.
@@ -75,11 +76,12 @@ def engine_for(stage: int, seed: int = 1, bf16: bool = False, offload: bool = Fa
 
 def low_precision_follows(engine, what: str) -> None:
     """The engine's bf16 working copies equal its fp32 master values, rounded (after a load)."""
+    values = full_values(engine)
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params):
         for name, p in engine.module.named_parameters():
             assert p.dtype == torch.bfloat16, (what, name, p.dtype)
-            assert torch.equal(p.data, safe_get_full_fp32_param(p).to(torch.bfloat16)), f"{what}: {name}"
+            assert torch.equal(p.data, values[f"model.{name}"].to(torch.bfloat16)), f"{what}: {name}"
 
 
 def train_step(engine, step: int) -> float:
@@ -91,9 +93,19 @@ def train_step(engine, step: int) -> float:
 
 
 def full_values(engine) -> dict:
-    """DeepSpeed's own full fp32 values and Adam moments of every parameter (collective)."""
+    """DeepSpeed's own full fp32 values and Adam moments of every parameter (collective); without ZeRO
+    (bf16 on CPU: FP16_UnfusedOptimizer, one fp32 master copy per parameter) its master copies."""
     out: dict = {"global_steps": engine.global_steps}
+    opt = engine.optimizer
+    masters = dict(zip((id(p) for g in getattr(opt, "fp16_groups", ()) for p in g),
+                       (p for g in getattr(opt, "fp32_groups", ()) for p in g)))
     for name, p in engine.module.named_parameters():
+        if id(p) in masters:
+            hp = masters[id(p)]
+            out[f"model.{name}"] = hp.detach().clone()
+            for k in ("exp_avg", "exp_avg_sq"):
+                out[f"optimizer.state.{name}.{k}"] = opt.optimizer.state[hp][k].clone()
+            continue
         out[f"model.{name}"] = safe_get_full_fp32_param(p).detach().clone()
         for k in ("exp_avg", "exp_avg_sq"):
             out[f"optimizer.state.{name}.{k}"] = safe_get_full_optimizer_state(p, k).detach().clone()
@@ -162,11 +174,17 @@ def matrix(root: str) -> None:
         train_step(engine, step)
     bcp.save(os.path.join(root, "zero3_bf16"), engine_state(engine))
     ref = full_values(engine)
-    for dst in (2, 3):
+    for dst in (0, 2, 3):  # 0: DeepSpeed's bf16 optimizer without ZeRO (master copies per parameter)
         engine = engine_for(dst, seed=7, bf16=True)
         bcp.load(os.path.join(root, "zero3_bf16"), engine_state(engine))
         check_equal(full_values(engine), ref, f"bf16 ZeRO-3 offloaded -> bf16 ZeRO-{dst}")
         low_precision_follows(engine, f"bf16 ZeRO-{dst}")
+    train_step(engine, 2)
+    bcp.save(os.path.join(root, "zero0_bf16"), engine_state(engine))  # and back: stage 0 -> ZeRO-3
+    ref = full_values(engine)
+    engine = engine_for(3, seed=7, bf16=True)
+    bcp.load(os.path.join(root, "zero0_bf16"), engine_state(engine))
+    check_equal(full_values(engine), ref, "bf16 without ZeRO -> bf16 ZeRO-3")
 
     # ZeRO-3 -> FSDP2 on the same ranks: every full tensor equal
     from torch.distributed.fsdp import fully_shard
