@@ -13,7 +13,8 @@ step before `wait()`: the checkpoint must hold the state of the call) and with D
 fp32 values and Adam moments (`safe_get_full_fp32_param` / `safe_get_full_optimizer_state`), the step
 and `global_steps` at the save. Then every checkpoint is loaded into a fresh engine of every stage,
 bf16 with the optimizer offloaded (ZeRO-Offload) into bf16 engines of stage 0 (no ZeRO), 2 and 3 and
-back, into FSDP2 (`fully_shard`), and DIR/plain (a 1-process checkpoint the test wrote) into ZeRO-3; each
+back, into FSDP2 (`fully_shard`), FSDP1 (flat parameters) and DDP and, a step further, from each of
+them into ZeRO, and DIR/plain (a 1-process checkpoint the test wrote) into ZeRO-3; each
 loaded state is compared, bit for bit, with its reference. A checkpoint of another shape must fail
 on every rank with one error naming the tensor and both shapes, leaving the engine as it was.
 Writes DIR/matrix_ok_rank<r> when all of it holds.
@@ -120,6 +121,50 @@ def _relink(engine) -> None:
     getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", lambda: None)()
 
 
+def torch_layout(layout: str):
+    """A tiny Llama under FSDP2, FSDP1 (flat parameters) or DDP on the job's ranks, with torch's AdamW."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    model = build_model(seed=7)
+    if layout == "fsdp2":
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    elif layout == "fsdp1":
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        model = FullyShardedDataParallel(model, device_id=torch.device("cpu"),
+                                         auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}))
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+def torch_values(model, opt, layout: str) -> dict:
+    """The full values and Adam moments of a torch layout, keyed as `full_values` keys them (collective)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    out: dict = {}
+    if layout == "fsdp1":
+        osd = FullyShardedDataParallel.optim_state_dict(model, opt)
+        with FullyShardedDataParallel.summon_full_params(model, writeback=False):
+            for name, p in model.named_parameters():
+                name = name.replace("_fsdp_wrapped_module.", "")
+                out[f"model.{name}"] = p.detach().clone()
+        for name, st in osd["state"].items():
+            for k in ("exp_avg", "exp_avg_sq"):
+                out[f"optimizer.state.{name}.{k}"] = st[k].clone()
+        out["step"] = {float(st["step"]) for st in osd["state"].values()}.pop()
+        return out
+    for name, p in model.named_parameters():
+        name = name.removeprefix("module.")
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        out[f"model.{name}"] = full.clone()
+        for k in ("exp_avg", "exp_avg_sq"):
+            v = opt.state[p][k]
+            out[f"optimizer.state.{name}.{k}"] = (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+    out["step"] = {float(st["step"]) for st in opt.state.values()}.pop()
+    return out
+
+
 def check_equal(got: dict, ref: dict, what: str) -> None:
     assert got.keys() == ref.keys(), f"{what}: keys differ: {sorted(got.keys() ^ ref.keys())[:6]}"
     for k in ref:
@@ -186,19 +231,23 @@ def matrix(root: str) -> None:
     bcp.load(os.path.join(root, "zero0_bf16"), engine_state(engine))
     check_equal(full_values(engine), ref, "bf16 without ZeRO -> bf16 ZeRO-3")
 
-    # ZeRO-3 -> FSDP2 on the same ranks: every full tensor equal
-    from torch.distributed.fsdp import fully_shard
-    model = build_model(seed=7)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    bcp.load(os.path.join(root, "zero3"), {"model": model, "optimizer": opt}, strict=True)
-    for name, p in model.named_parameters():
-        assert torch.equal(p.full_tensor(), refs[3][f"model.{name}"]), f"FSDP2 {name}"
-        for k in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(opt.state[p][k].full_tensor(), refs[3][f"optimizer.state.{name}.{k}"]), (name, k)
-        assert float(opt.state[p]["step"]) == refs[3]["step"]
+    # ZeRO -> FSDP2, FSDP1 and DDP on the same ranks (every full tensor equal), then each of those,
+    # one step further, -> ZeRO
+    for layout, src, dst in (("fsdp2", 3, 2), ("fsdp1", 2, 3), ("ddp", 1, 3)):
+        model, opt = torch_layout(layout)
+        bcp.load(os.path.join(root, f"zero{src}"), {"model": model, "optimizer": opt})
+        check_equal(torch_values(model, opt, layout), {k: v for k, v in refs[src].items() if k != "global_steps"},
+                    f"ZeRO-{src} -> {layout}")
+        ids = tokens(2, rank, dist.get_world_size())
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        bcp.save(os.path.join(root, layout), {"model": model, "optimizer": opt})
+        ref = torch_values(model, opt, layout)
+        engine = engine_for(dst, seed=7)
+        bcp.load(os.path.join(root, layout), {"model": engine, "optimizer": engine.optimizer})
+        got = full_values(engine)
+        got.pop("global_steps")
+        check_equal(got, ref, f"{layout} -> ZeRO-{dst}")
 
     # a 1-process plain checkpoint (written by the test) -> ZeRO-3 on 2 ranks
     engine = engine_for(3, seed=7)
