@@ -63,6 +63,28 @@ def _plain_state_equals(job, path, ref: dict) -> None:
     assert opt.param_groups[0]["lr"] == 1e-2 and opt.param_groups[0]["weight_decay"] == 0.01
 
 
+def _damaged_deepspeed_file_is_refused(job, tmp_path) -> None:
+    """A byte flipped inside a tensor record of DeepSpeed's file: the load fails naming the file (the zip's
+    CRC of that record), and the model it was to fill is unchanged."""
+    import shutil
+    import zipfile
+    bad = tmp_path / "ds2_damaged"
+    shutil.copytree(tmp_path / "ds2", bad)
+    step = (bad / "latest").read_text().strip()
+    target = bad / step / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    with zipfile.ZipFile(target) as zf:
+        info = max((i for i in zf.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+        offset = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra) + info.file_size // 2
+    data = bytearray(target.read_bytes())
+    data[offset] ^= 0xFF
+    target.write_bytes(bytes(data))
+    model = job.build_model(seed=9)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(bcp.BCPError, match="zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        bcp.load(bad, {"model": model})
+    assert all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
+
+
 @pytest.mark.timeout(900)
 def test_zero_checkpoints_reshard_across_stages_world_sizes_and_frameworks(tmp_path):
     job = _job_module()
@@ -86,6 +108,9 @@ def test_zero_checkpoints_reshard_across_stages_world_sizes_and_frameworks(tmp_p
     md = bcp.inspect(tmp_path / "ds2")
     assert md.user["converted_from"] == "deepspeed" and md.world_size == 2
     assert md.objects["engine.global_steps"].encoded == 2
+    from dist import bcp_verify
+    assert "0 fault(s)" in bcp_verify(str(tmp_path / "ds2"))
+    _damaged_deepspeed_file_is_refused(job, tmp_path)
 
     # ... and exported to safetensors that Hugging Face loads
     from transformers import LlamaForCausalLM

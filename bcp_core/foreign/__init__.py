@@ -58,6 +58,11 @@ def open_resolved(st: Storage, format_name: str) -> Storage:
     raise StorageError(f"{st.root}: unknown checkpoint format {format_name!r}")
 
 
+def foreign_format(st: Storage) -> str | None:
+    """The format name of a foreign checkpoint's storage; None for bcp's own."""
+    return st.format.name if isinstance(st, ForeignCheckpoint) else None
+
+
 _CACHE: dict[tuple, bytes] = {}
 _CACHE_LOCK = threading.Lock()
 
@@ -133,4 +138,5 @@ class ForeignCheckpoint(Storage):
         self._read_only(f"have {relpath} removed")
 
 
-__all__ = ["ForeignFormat", "ForeignCheckpoint", "FORMATS", "register_format", "open_foreign", "open_resolved"]
+__all__ = ["ForeignFormat", "ForeignCheckpoint", "FORMATS", "register_format", "open_foreign", "open_resolved",
+           "foreign_format"]
