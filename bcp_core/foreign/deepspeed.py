@@ -181,7 +181,7 @@ def deepspeed_metadata(st: Storage, block: int = CHECKSUM_BLOCK_BYTES) -> Checkp
     for rel in b.files:
         if rel not in archives:
             archives[rel] = open_archive(st, rel)
-    return _with_checksums(md, archives, block)
+    return _with_checksums(md, archives, block, where)
 
 
 def _stage_of(archive: Archive) -> int:
@@ -357,7 +357,8 @@ class _Span:
         return tuple(self.sums)
 
 
-def _with_checksums(md: CheckpointMetadata, archives: dict[str, Archive], block: int) -> CheckpointMetadata:
+def _with_checksums(md: CheckpointMetadata, archives: dict[str, Archive], block: int,
+                    where: str) -> CheckpointMetadata:
     """`md` with every piece's block checksums, from one pass over each file's records, each checked
     against its zip CRC (a damaged file fails here, naming it)."""
     spans: dict[tuple[int, int, int], _Span] = {}
@@ -367,7 +368,7 @@ def _with_checksums(md: CheckpointMetadata, archives: dict[str, Archive], block:
     for i, rel in enumerate(md.files):
         mine = sorted((s for (f, _, _), s in spans.items() if f == i), key=lambda s: s.start)
         if mine:
-            _stream(archives[rel], mine)
+            _stream(archives[rel], mine, where)
     tensors = {k: TensorMeta(tm.dtype, tm.shape, tuple(
         Piece(p.offsets, p.lengths, p.file, p.byte_offset, p.nbytes, spans[(p.file, p.byte_offset, p.nbytes)].done(),
               p.rank) for p in tm.pieces)) for k, tm in md.tensors.items()}
@@ -375,7 +376,7 @@ def _with_checksums(md: CheckpointMetadata, archives: dict[str, Archive], block:
                               md.sharded_objects, md.checksum_block_bytes, md.user, md.version)
 
 
-def _stream(archive: Archive, spans: list[_Span], chunk: int = 8 << 20) -> None:
+def _stream(archive: Archive, spans: list[_Span], where: str, chunk: int = 8 << 20) -> None:
     zf = archive.zip
     records = []
     for info in zf.infolist():
@@ -398,7 +399,7 @@ def _stream(archive: Archive, spans: list[_Span], chunk: int = 8 << 20) -> None:
                         s.feed(view, at)
                     at += len(data)
         except zipfile.BadZipFile as e:
-            raise MetadataError(f"{archive.relpath}: record {info.filename} is damaged ({e})") from None
+            raise MetadataError(f"{where}/{archive.relpath}: record {info.filename} is damaged ({e})") from None
 
 
 __all__ = ["deepspeed_metadata", "step_directory", "MODEL_FILE"]

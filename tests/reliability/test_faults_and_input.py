@@ -44,8 +44,11 @@ def _one_line(exc_info) -> str:
 def test_bad_input_gets_one_line_errors(tmp_path):
     model = torch.nn.Linear(2, 2)
     with pytest.raises(bcp.BCPError) as e:
+        bcp.save(str(tmp_path / "a"), {"model": model}, framework="colossalai")
+    assert "unknown framework 'colossalai'" in _one_line(e)
+    with pytest.raises(bcp.BCPError) as e:  # a framework bcp knows, not the model's layout
         bcp.save(str(tmp_path / "a"), {"model": model}, framework="deepspeed")
-    assert "unknown framework 'deepspeed'" in _one_line(e)
+    assert "framework='deepspeed' but the model's layout is 'plain'" in _one_line(e)
     with pytest.raises(bcp.BCPError) as e:
         bcp.save(str(tmp_path / "b"), {"extra_state": {"lock": __import__("threading").Lock()}})
     assert "extra_state.lock: cannot save a value of type _thread.lock" in _one_line(e)
