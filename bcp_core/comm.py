@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from . import metrics
@@ -387,6 +388,64 @@ class Comm:
         base = self._key(op)
         done = self._up(base, b"0", op, timeout)
         self._down(base, _ALL + b"0" if done is not None else None, op, timeout)
+
+    # -- bytes from each node's lowest rank to the node's other ranks (gloo) ---------------------
+
+    def node_broadcast(self, read: Callable[[], bytes], op: str, what: str,
+                       timeout: timedelta = DEFAULT_TIMEOUT) -> bytes:
+        """`read()` on the lowest rank of each node, its bytes (`what` they are, for messages) on
+        every rank of that node, over a gloo group of the node, bounded by `timeout`: for bytes too
+        large for the store that every rank of a node would otherwise read alike (a checkpoint's
+        metadata). A leader that cannot read sends a failure mark; its node's ranks raise naming it."""
+        node = self.nodes[self.rank]
+        local = [r for r in range(self.world_size) if self.nodes[r] == node]
+        leader = local[0]
+        data, error = b"", None
+        if self.rank == leader:
+            try:
+                data = read()
+            except Exception as e:  # noqa: BLE001 - the node's other ranks are told, then this rank raises it
+                error = e
+        if len(local) > 1:
+            group = self._node_group(local, timeout)
+            size = torch.tensor([-1 if error is not None else len(data)], dtype=torch.int64)
+            self._bounded(group.broadcast(size, 0), leader, op, what, timeout)
+            if size.item() < 0:
+                raise BCPError(f"{op}: rank {leader}, which reads {what} for its node, could not read it")
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == leader and data else \
+                torch.empty(int(size.item()), dtype=torch.uint8)
+            if buf.numel():
+                self._bounded(group.broadcast(buf, 0), leader, op, what, timeout)
+            data = buf.numpy().tobytes()
+        if error is not None:
+            raise error
+        return data
+
+    def _node_group(self, local: list[int], timeout: timedelta):
+        """A gloo group of this node's ranks (group ranks `local`), made once per Comm.
+
+        It is made outside torch's group registry, on a store prefix private to the Comm and the
+        node: the same name on every member whatever groups each has made before. (torch names a
+        group made with `use_local_synchronization=True` after the number of groups *this* rank
+        knows, which differs between ranks once a framework made groups only some ranks belong to
+        — Megatron's pipeline and embedding groups — so the members waited under different keys,
+        forever.)"""
+        key = (id(self), tuple(local))
+        group = _NODE_GROUPS.get(key)
+        if group is None:
+            store = self.private_store(f"node{self.nodes[self.rank]}")
+            group = _NODE_GROUPS[key] = dist.ProcessGroupGloo(store, local.index(self.rank), len(local), timeout)
+        return group
+
+    def _bounded(self, work, leader: int, op: str, what: str, timeout: timedelta) -> None:
+        try:
+            work.wait(timeout)
+        except RuntimeError as e:
+            raise CommTimeoutError(f"bcp {op}: rank {self.rank} waited {timeout} for {what} from rank "
+                                   f"{leader} ({e})") from None
+
+
+_NODE_GROUPS: dict[tuple, Any] = {}  # (id of a Comm, its node's ranks) -> the node's gloo group
 
 
 _COMMS: dict[tuple, Comm] = {}

@@ -25,7 +25,7 @@ from .shards import ObjectShard, ShardedView, is_dtensor, is_tensor_like
 PER_RANK_KEY = "extra_state"
 
 
-@dataclass
+@dataclass(frozen=True)
 class SaveLeaf:
     fqn: str
     value: Any          # torch.Tensor / DTensor, or a plain value
@@ -33,7 +33,7 @@ class SaveLeaf:
     stepped: bool = False  # a parameter or optimizer state: changes in place only in an optimizer step
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoadTarget:
     fqn: str
     per_rank: bool
@@ -47,6 +47,9 @@ class LoadTarget:
 
 @dataclass
 class LoadTargets:
+    """What a state asks of a load, collected by `load_targets` and the adapters it calls; read, not
+    changed, once collected."""
+
     targets: dict[str, LoadTarget] = field(default_factory=dict)
     finishers: list[Callable[[], None]] = field(default_factory=list)
     # run once every read is verified, before anything changes: they may look at fresh tensors only

@@ -252,6 +252,38 @@ def remove_leftovers(root: str | os.PathLike | Storage, committed: str, naming: 
     return Removal(removed, tuple(e.name for e in entries if e.name not in failed_saves), failed)
 
 
+def remove_superseded(root: str | os.PathLike | Storage, committed: str, naming: StepNaming = BCP_STEPS) -> Removal:
+    """After `committed` (a step directory's name) was committed under `root`, for a root that holds
+    one checkpoint at a time (a framework's checkpoint path saved to again, Lightning's
+    `last.ckpt`): remove what it replaces. That is every older step directory, complete or not, and
+    whatever else the root holds but its tracker, such as the files of a checkpoint written into the
+    root itself by bcp before step directories (their metadata first, so that the tracker takes over
+    at once). Newer step directories (the next save to the root, begun on other ranks) stay."""
+    step = naming.step_of(committed)
+    if step is None:
+        raise ValueError(f"{committed!r} is not a step directory name ({naming.template})")
+    st = _storage(root)
+    names = st.listdir()
+
+    def older(name: str) -> bool:
+        own = naming.step_of(name)
+        return name != TRACKER_FILE and (own is None or own < step)
+    doomed = sorted(filter(older, names), key=lambda name: name != METADATA_FILE)
+    removed, failed = _remove_each(st, [(name, naming.step_of(name) is not None) for name in doomed])
+    return Removal(removed, tuple(name for name in names if name not in doomed), failed)
+
+
+def remove_checkpoint(path: str | os.PathLike) -> None:
+    """Remove whatever is at `path`, whole: a checkpoint, a root of checkpoints, or a file; missing is
+    no error. A root's tracker and a checkpoint's metadata go first, so that an interrupted removal
+    leaves nothing that looks complete in their place."""
+    st = storage_for(path)
+    for name in (TRACKER_FILE, METADATA_FILE):
+        if st.exists(name):
+            st.remove(name)
+    st.remove("")
+
+
 def _abandoned(st: Storage, name: str, now: float) -> bool:
     """Whether no save writes the incomplete step directory `name` any more: its save failed on every
     rank (FAILED_FILE), or one of its temporary files belongs to a process of this host that has

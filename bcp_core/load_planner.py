@@ -10,7 +10,6 @@ dtypes are checked here); the load driver (bcp_core.loader) executes the plan.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,43 +17,9 @@ import torch
 from . import codec, metrics
 from .errors import BCPError, ShapeMismatchError
 from .flatten import LoadTarget, LoadTargets
-from .metadata import CheckpointMetadata, ObjectValue, Piece, TensorMeta
+from .metadata import CheckpointMetadata, ObjectValue, TensorMeta
+from .plan_records import LoadPlan, ReadItem, ValueLoad
 from .shards import Box, intersect, local_tensor
-
-
-@dataclass(frozen=True)
-class ReadItem:
-    """Copy the part `offsets/lengths` (global coordinates) of `piece` into `dest`. `fresh`: `dest`
-    was made for this load and is not the caller's yet, so it may be read into before the load is
-    known to succeed."""
-
-    fqn: str
-    piece: Piece
-    offsets: tuple[int, ...]
-    lengths: tuple[int, ...]
-    dest: torch.Tensor
-    fresh: bool = False
-
-
-@dataclass(frozen=True)
-class ValueLoad:
-    """A non-tensor value for a target: `fetch()` decodes or reads it and checks that the target
-    takes it, changing nothing of the caller's; `hand_over(value)` gives it to the target."""
-
-    fqn: str
-    fetch: Callable[[], Any]
-    hand_over: Callable[[Any], None]
-
-
-@dataclass
-class LoadPlan:
-    """What one rank does to load: read byte ranges, then hand over new tensors and values."""
-
-    items: list[ReadItem] = field(default_factory=list)
-    values: list[ValueLoad] = field(default_factory=list)
-    late: list[tuple[LoadTarget, torch.Tensor]] = field(default_factory=list)  # new tensors, set once read
-    missing: list[str] = field(default_factory=list)     # requested but not in the checkpoint
-    unexpected: list[str] = field(default_factory=list)  # in the checkpoint under a requested module/optimizer
 
 
 def plan_load(md: CheckpointMetadata, lt: LoadTargets, rank: int, allow_pickle: bool,
@@ -67,49 +32,50 @@ def plan_load(md: CheckpointMetadata, lt: LoadTargets, rank: int, allow_pickle: 
     `reads(fqn, tm, target, fresh)` gives the reads that fill a target tensor (default `read_items`;
     a mapped load's come from other keys' pieces, bcp_core.mapping)."""
     reads = reads or read_items
-    plan = LoadPlan()
+    items: list[ReadItem] = []
+    values: list[ValueLoad] = []
+    late: list[tuple[LoadTarget, torch.Tensor]] = []
     saved = md.keys()
-    for t in fill_containers(lt, saved):  # keys the checkpoint has below a plain dict the dict lacks
-        lt.targets[t.fqn] = t
-    plan.missing = sorted(k for k, t in lt.targets.items() if k not in saved and not t.optional)
+    # keys the checkpoint has below a plain dict the dict lacks
+    targets = {**lt.targets, **{t.fqn: t for t in fill_containers(lt, saved)}}
+    missing = sorted(k for k, t in targets.items() if k not in saved and not t.optional)
     covered = tuple(f"{p}." for p in lt.structured)
-    plan.unexpected = sorted(k for k in saved if k.startswith(covered) and k not in lt.targets)
+    unexpected = sorted(k for k in saved if k.startswith(covered) and k not in targets)
 
-    for fqn, target in lt.targets.items():
+    for fqn, target in targets.items():
         if fqn not in saved:
             continue
         if fqn in md.objects:
-            plan.values.append(_decoded(target, md.objects[fqn].encoded, allow_pickle))
+            values.append(_decoded(target, md.objects[fqn].encoded, allow_pickle))
         elif fqn in md.sharded_objects:
-            plan.values.append(_shard_handover(target, fqn, shard_reader))
+            values.append(_shard_handover(target, fqn, shard_reader))
         elif fqn in md.per_rank:
             v = md.per_rank[fqn].variant_for(rank)
             if isinstance(v, ObjectValue):
-                plan.values.append(_decoded(target, v.encoded, allow_pickle))
+                values.append(_decoded(target, v.encoded, allow_pickle))
             elif target.tensor is not None and tuple(target.tensor.shape) == v.shape and target.tensor.dtype == v.dtype:
-                plan.items.extend(box_read_items(fqn, v, Box((0,) * len(v.shape), v.shape, target.tensor),
-                                                 target.fresh))
+                items.extend(box_read_items(fqn, v, Box((0,) * len(v.shape), v.shape, target.tensor), target.fresh))
             else:
-                plan.items.extend(_new_tensor(plan, target, v, check_files, read_items))
+                items.extend(_new_tensor(late, target, v, check_files, read_items))
         else:
             tm = md.tensors[fqn]
             if target.tensor is None:
                 if target.set_value is None:
                     raise ShapeMismatchError(f"{fqn!r} is a tensor in the checkpoint but not in the target")
-                plan.items.extend(_new_tensor(plan, target, tm, check_files, reads))
+                items.extend(_new_tensor(late, target, tm, check_files, reads))
             else:
-                plan.items.extend(reads(fqn, tm, target.tensor, target.fresh))
-    return plan
+                items.extend(reads(fqn, tm, target.tensor, target.fresh))
+    return LoadPlan(tuple(items), tuple(values), tuple(late), tuple(missing), tuple(unexpected))
 
 
-def _new_tensor(plan: LoadPlan, target: LoadTarget, tm: TensorMeta,
+def _new_tensor(late: list[tuple[LoadTarget, torch.Tensor]], target: LoadTarget, tm: TensorMeta,
                 check_files: Callable[[str, TensorMeta], None], reads) -> list[ReadItem]:
-    """Read `tm` whole into a new tensor that goes to the target once the load succeeded."""
+    """Read `tm` whole into a new tensor that goes to the target (added to `late`) once the load succeeded."""
     if target.set_value is None:
         raise BCPError(f"cannot set {target.fqn!r}: it takes no new tensor of shape {tuple(tm.shape)}")
     check_files(target.fqn, tm)  # the shape is a claim of the metadata until the files back it
     t = torch.empty(tm.shape, dtype=tm.dtype)
-    plan.late.append((target, t))
+    late.append((target, t))
     return reads(target.fqn, tm, t, True)
 
 

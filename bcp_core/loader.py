@@ -4,8 +4,8 @@
     md = read_metadata(st)                         # validated before anything is allocated
     targets = flatten.load_targets(state, ...)     # what the live state wants, via its adapter
     plan = load_planner.plan_load(md, targets)     # values to set, byte ranges to read
-    staging.stage_all(...) / read_all_shared(...)  # read into staging and verify
-    staging.commit(...), values, finishers         # only then: tensors, values, optimizers, stateful objects
+    reads.read_each(...) / read_all_shared(...)   # read and verify (engine.VerifiedReads)
+    reads.commit(...), values, finishers           # only then: tensors, values, optimizers, stateful objects
 
 A load is all or nothing for the caller: everything that can be checked without reading (keys,
 shapes, dtypes, strictness, values) is checked first, every byte is read and verified next, and
@@ -22,21 +22,22 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
 from . import codec, metrics
 from .adapters import resolve_framework
 from .comm import DEFAULT_TIMEOUT, Comm, comm_for
-from .engine import LoadStaging, ShardReader
-from .errors import BCPError, CommTimeoutError, KeyMismatchError
+from .engine import ShardReader, VerifiedReads
+from .errors import KeyMismatchError
 from .foreign import open_resolved
 from .flatten import LoadTargets, load_targets
 from .layout import resolve
-from .load_planner import LoadPlan, plan_load, set_target
+from .load_planner import plan_load, set_target
 from .metadata import (CHECKSUM_BLOCK_BYTES, METADATA_FILE, CheckpointMetadata, TensorMeta, check_file_sizes,
                        read_metadata_file)
+from .plan_records import LoadPlan
 from .shared_reads import LoadFailure, group_size, raise_failures, read_all_shared, worth_sharing
 from .host_memory import ordered_after_callers
 from .staging import finish_lazy_copies
@@ -85,30 +86,30 @@ def load_checkpoint(path: str | os.PathLike, state: dict, framework: str = "auto
     if not shared:
         st = resolve(path)
         md = read_metadata(st)
-        staging = LoadStaging(st, md.files, md.checksum_block_bytes, verify_checksums)
+        reads = VerifiedReads(st, md.files, md.checksum_block_bytes, verify_checksums)
         plan, targets, values, result = _prepare(st, md, state, adapter, strict, process_group, allow_pickle,
                                                  verify_checksums, mapping)
         ordered_after_callers(it.dest for it in plan.items)
-        staging.stage_all(plan.items, num_threads)
+        reads.read_each(plan.items, num_threads)
         _check(targets)
     else:
         comm, op = _load_op(process_group)
         st = _resolve_for_all(path, comm, op, timeout)
         failure: Exception | None = None
-        staging = LoadStaging(st, (), CHECKSUM_BLOCK_BYTES, verify_checksums)
+        reads = VerifiedReads(st, (), CHECKSUM_BLOCK_BYTES, verify_checksums)
         try:
             with metrics.phase("metadata"):
-                md = parse_metadata(st, _node_broadcast(comm, lambda: read_metadata_file(st),
-                                                        op, timeout))
-            staging = LoadStaging(st, md.files, md.checksum_block_bytes, verify_checksums)
+                md = parse_metadata(st, comm.node_broadcast(lambda: read_metadata_file(st), f"{op}/metadata",
+                                                            "the metadata", timeout))
+            reads = VerifiedReads(st, md.files, md.checksum_block_bytes, verify_checksums)
             plan, targets, values, result = _prepare(st, md, state, adapter, strict, process_group, allow_pickle,
                                                      verify_checksums, mapping)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others wait
             failure, plan, targets = e, LoadPlan(), LoadTargets()
         ordered_after_callers(it.dest for it in plan.items)
-        read_all_shared(staging, plan.items, num_threads, process_group, comm, op, timeout, failure,
+        read_all_shared(reads, plan.items, num_threads, process_group, comm, op, timeout, failure,
                         check=lambda: _check(targets))
-    _commit(staging, plan, targets, values, num_threads)
+    _commit(reads, plan, targets, values, num_threads)
     if result.missing or result.unexpected:
         log.warning("bcp: %s", _key_report(st.root, result))
     return result
@@ -130,12 +131,12 @@ def _prepare(st: Storage, md: CheckpointMetadata, state: dict, adapter, strict: 
         md, reads = mapped.metadata, mapped.read_items
     targets = load_targets(state, md, adapter)
     if mapped is not None:
-        for key in mapped.optional & set(targets.targets):
-            targets.targets[key].optional = True
-        targets.finishers.insert(0, mapped.fill_zeros)  # before optimizers take their new state
+        targets = replace(targets, targets={k: replace(t, optional=True) if k in mapped.optional else t
+                                            for k, t in targets.targets.items()},
+                          finishers=[mapped.fill_zeros, *targets.finishers])  # before optimizers take their new state
     plan = plan_load(md, targets, this_rank(process_group), allow_pickle,
                      lambda fqn: ShardReader(st, saved, fqn, allow_pickle, verify_checksums), check_files, reads)
-    result = LoadResult(st.root, plan.missing, plan.unexpected)
+    result = LoadResult(st.root, list(plan.missing), list(plan.unexpected))
     if strict and (result.missing or result.unexpected):
         raise KeyMismatchError(_key_report(st.root, result))
     values = [(v, v.fetch()) for v in plan.values]  # decoded (or read) and checked, not handed over yet
@@ -159,14 +160,14 @@ def _check(targets: LoadTargets) -> None:
         check()
 
 
-def _commit(staging: LoadStaging, plan: LoadPlan, targets: LoadTargets, values: list[tuple[Any, Any]],
+def _commit(reads: VerifiedReads, plan: LoadPlan, targets: LoadTargets, values: list[tuple[Any, Any]],
             num_threads: int) -> None:
     """Every byte is read and verified (on every rank of a collective load): write the state."""
     finish_lazy_copies()  # an asynchronous save in flight takes its lazy snapshot before the state changes
     # on CUDA that ordered the caller's streams after the snapshot's copies: the load's own copies
     # (host_memory.Bounce, on streams of their own) wait for them here
     ordered_after_callers(it.dest for it in plan.items)
-    staging.commit(num_threads)
+    reads.commit(num_threads)
     for target, t in plan.late:
         set_target(target, t)
     for v, value in values:
@@ -189,63 +190,6 @@ def _resolve_for_all(path: str | os.PathLike, comm: Comm, op: str, timeout: time
     if isinstance(received, LoadFailure):
         raise_failures([received], own)
     return st if comm.is_coordinator else open_resolved(storage_for(received.root), received.format)
-
-
-_NODE_GROUPS: dict[tuple, Any] = {}
-
-
-def _node_group(comm: Comm, local: list[int], timeout: timedelta):
-    """A gloo group of this node's ranks of `comm` (group ranks `local`), made once per Comm.
-
-    It is made outside torch's group registry, on a store prefix private to the Comm and the node:
-    the same name on every member whatever groups each has made before. (torch names a group made
-    with `use_local_synchronization=True` after the number of groups *this* rank knows, which
-    differs between ranks once a framework made groups only some ranks belong to — Megatron's
-    pipeline and embedding groups — so the members waited under different keys, forever.)"""
-    import torch.distributed as dist
-    key = (id(comm), tuple(local))
-    group = _NODE_GROUPS.get(key)
-    if group is None:
-        store = comm.private_store(f"node{comm.nodes[comm.rank]}")
-        group = _NODE_GROUPS[key] = dist.ProcessGroupGloo(store, local.index(comm.rank), len(local), timeout)
-    return group
-
-
-def _node_broadcast(comm: Comm, read: Callable[[], bytes], op: str, timeout: timedelta) -> bytes:
-    """`read()` on the lowest rank of each node, its bytes on every rank of that node (gloo, bounded
-    by `timeout`). A leader that cannot read sends a failure mark; its node's ranks raise naming it."""
-    import torch
-    node = comm.nodes[comm.rank]
-    local = [r for r in range(comm.world_size) if comm.nodes[r] == node]
-    leader = local[0]
-    data, error = b"", None
-    if comm.rank == leader:
-        try:
-            data = read()
-        except Exception as e:  # noqa: BLE001 - the node's other ranks are told, then this rank raises it
-            error = e
-    if len(local) > 1:
-        group = _node_group(comm, local, timeout)
-        size = torch.tensor([-1 if error is not None else len(data)], dtype=torch.int64)
-        _bounded(group.broadcast(size, 0), comm, leader, op, timeout)
-        if size.item() < 0:
-            raise BCPError(f"{op}/metadata: rank {leader}, which reads the metadata for its node, could not read it")
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if comm.rank == leader and data else \
-            torch.empty(int(size.item()), dtype=torch.uint8)
-        if buf.numel():
-            _bounded(group.broadcast(buf, 0), comm, leader, op, timeout)
-        data = buf.numpy().tobytes()
-    if error is not None:
-        raise error
-    return data
-
-
-def _bounded(work, comm: Comm, leader: int, op: str, timeout: timedelta) -> None:
-    try:
-        work.wait(timeout)
-    except RuntimeError as e:
-        raise CommTimeoutError(f"bcp {op}/metadata: rank {comm.rank} waited {timeout} for the metadata from rank "
-                               f"{leader} ({e})") from None
 
 
 _LOADS: dict[int, int] = {}  # collective loads so far, per Comm

@@ -11,7 +11,7 @@ Shard(0) -> Shard(1) load on N ranks needs a part of every block, so each rank w
 whole checkpoint). There each block is verified by one of the ranks that read it (worst-fit
 again).
 
-Either way the reads land in each rank's staging (engine.LoadStaging), and the ranks agree at the
+Either way the reads land in each rank's verified reads (engine.VerifiedReads), and the ranks agree at the
 end: if any rank failed (a read, a checksum, a wait), every rank raises naming it and none has
 changed its state. Every wait is bounded by the load's timeout: the exchanges go through the Comm,
 and each transfer waits at most until the deadline, then fails naming the rank it waited for. An
@@ -42,12 +42,12 @@ from torch import nn
 
 from . import codec, errors, metrics
 from .comm import Comm
-from .engine import LoadStaging, item_span, read_span
+from .engine.read import VerifiedReads, item_span, read_span
 from .errors import BCPError, ChecksumError, CommTimeoutError
-from .load_planner import ReadItem
+from .load_config import LOAD_CONFIG
+from .plan_records import ReadItem
 from .shards import is_dtensor, is_tensor_like
 from .storage import Storage
-from .storage.base import CONFIG
 
 _GROUPS: dict[tuple, object] = {}
 _TAGS: dict[tuple, int] = {}  # point-to-point tags used so far on each transfer group
@@ -151,14 +151,14 @@ def _blocks(it: ReadItem, block: int) -> tuple[int, int, int, int, int]:
     return p.file, p.byte_offset, lo // block, -(-hi // block), p.nbytes
 
 
-def read_all_shared(staging: LoadStaging, items: list[ReadItem], num_threads: int, process_group, comm: Comm,
+def read_all_shared(reads: VerifiedReads, items: list[ReadItem], num_threads: int, process_group, comm: Comm,
                     op: str, timeout: timedelta, failure: BaseException | None = None,
                     check: Callable[[], None] | None = None) -> dict:
-    """Read and verify `items` into `staging`, sharing the work with the group's other ranks (module
+    """Read and verify `items` into `reads`, sharing the work with the group's other ranks (module
     doc); then `check()`, if given. Collective: `op` names this load's exchanges on `comm`. A rank
     that could not prepare its part passes its error as `failure` and still takes part, so that every
     rank raises it. Returns counts; raises, on every rank, if any rank failed."""
-    block, verify = staging.block, staging.verify
+    block, verify = reads.block, reads.verify
     items = [it for it in items if math.prod(it.lengths)]
     spans: dict[tuple[int, int, int], list[ReadItem]] = {}
     for it in items:
@@ -170,12 +170,12 @@ def read_all_shared(staging: LoadStaging, items: list[ReadItem], num_threads: in
     wanted = [codec.from_wire(w, ReadRequest)
               for w in comm.all_gather(codec.to_wire(mine), f"{op}/plan", timeout)]
     raise_failures([w.failure for w in wanted], failure)
-    if not staging.storage.remote and len({w.host for w in wanted}) == 1:
-        error, counts = _verify_once(staging, items, num_threads, comm, [w.blocks for w in wanted])
+    if not reads.storage.remote and len({w.host for w in wanted}) == 1:
+        error, counts = _verify_once(reads, items, num_threads, comm, [w.blocks for w in wanted])
     else:
         with metrics.phase("transfer"):  # the whole exchange; its own reads and copies are recorded too
-            error, counts = _read_once(staging, spans, num_threads, process_group, comm,
-                                       [w.spans for w in wanted], op, timeout)
+            transfer = _Transfer(reads, spans, [w.spans for w in wanted], process_group, comm, op, timeout)
+            error, counts = transfer.run(num_threads)
     if error is None and check is not None:
         try:
             check()
@@ -211,10 +211,10 @@ def _worst_fit(requesters: dict[tuple, list[int]], size, world_size: int) -> dic
     return owner
 
 
-def _verify_once(staging: LoadStaging, items: list[ReadItem], num_threads: int, comm: Comm,
+def _verify_once(reads: VerifiedReads, items: list[ReadItem], num_threads: int, comm: Comm,
                  wanted: list) -> tuple[BaseException | None, dict]:
-    """One host, local files: every rank stages its own bytes; each block is verified once."""
-    block = staging.block
+    """One host, local files: every rank reads its own bytes; each block is verified once."""
+    block = reads.block
     requesters: dict[tuple[int, int, int], list[int]] = {}  # (file, piece offset, block) -> ranks
     sizes: dict[tuple[int, int, int], int] = {}
     for r, ranges in enumerate(wanted):
@@ -224,9 +224,9 @@ def _verify_once(staging: LoadStaging, items: list[ReadItem], num_threads: int, 
                 sizes[(f, off, b)] = min(block, nbytes - b * block)
     owner = _worst_fit(requesters, sizes.__getitem__, comm.world_size)
     me = comm.rank
-    skip = {(staging.files[f], off + b * block) for (f, off, b), r in owner.items() if r != me}
+    skip = {(reads.files[f], off + b * block) for (f, off, b), r in owner.items() if r != me}
     try:
-        staging.stage_all(items, num_threads, skip)
+        reads.read_each(items, num_threads, skip)
     except Exception as e:  # noqa: BLE001 - every rank must reach the agreement, or the others wait
         return e, {}
     return None, {"verified_blocks": sum(1 for r in owner.values() if r == me)}
@@ -267,17 +267,106 @@ class _Range:
 
 
 class _Transfer:
-    """Waits on gloo sends and receives, all bounded by one deadline; the first error met."""
+    """Each byte range read once across the group and sent to the other ranks that need it.
 
-    def __init__(self, comm: Comm, op: str, timeout: timedelta, files: tuple[str, ...]):
-        self.me, self.op, self.timeout, self.files = comm.rank, op, timeout, files
+    Shared ranges go in one order on every rank: owners read and send them in it, receivers post and
+    take their receives in it, each with at most `LOAD_CONFIG.transfer_window_bytes` in flight (and at
+    least one range). The first range not yet delivered can always move: its owner has sent every
+    range before it and waits for a delivery only once it has sent all it read, and its receivers have
+    taken every range before it, so its receive is posted. So the windows never deadlock. Every wait on
+    a send or receive is bounded by one deadline; the first error met is kept (`error`) and reported
+    at the load's agreement, while the transfer goes on so that no other rank waits for this one.
+    """
+
+    def __init__(self, reads: VerifiedReads, spans: dict[tuple[int, int, int], list[ReadItem]], wanted: list,
+                 process_group, comm: Comm, op: str, timeout: timedelta):
+        self.reads, self.spans = reads, spans
+        self.me, self.op, self.timeout, self.files = comm.rank, op, timeout, reads.files
         self.deadline = time.monotonic() + timeout.total_seconds()
         self.error: BaseException | None = None
         self._lock = threading.Lock()
+        self.requesters: dict[tuple, list[int]] = {}
+        for r, keys in enumerate(wanted):
+            for k in keys:
+                self.requesters.setdefault(tuple(k), []).append(r)
+        self.owner = _worst_fit(self.requesters, lambda k: k[2] - k[1], comm.world_size)
+        shared = sorted(self.owner)
+        ranks, self.group = _transfer_group(process_group, timeout)
+        first = _first_tag(ranks, len(shared))
+        self.tag = {k: (first + i) % _TAG_SPACE for i, k in enumerate(shared)}
+        self.to_send = [k for k in shared if self.owner[k] == self.me]
+        self.to_receive = [k for k in shared if self.owner[k] != self.me and k in spans]
+        self.sent: deque[_Range] = deque()    # sent, delivery not yet waited for
+        self.posted: deque[_Range] = deque()  # receives posted, not yet taken
+
+    def run(self, num_threads: int) -> tuple[BaseException | None, dict]:
+        """Read the ranges this rank alone needs, send those it owns, receive the others; the first
+        error (None if all went well) and counts."""
+        direct = [it for k, its in self.spans.items() if k not in self.owner for it in its]
+        with ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="bcp-read") as pool:
+            direct_done = [pool.submit(metrics.bind(self._read_direct), it) for it in direct]
+            sender = threading.Thread(target=metrics.bind(self._send_owned), args=(pool,), name="bcp-send")
+            sender.start()
+            self._receive_all()
+            sender.join()
+            for f in direct_done:
+                f.result()
+        if self.error is not None:
+            _ABANDONED.extend([*self.sent, *self.posted])  # gloo may still read from or fill their buffers
+        counts = {"read_bytes": sum(k[2] - k[1] for k in self.to_send) +
+                  sum(k[2] - k[1] for k in self.spans if k not in self.owner),
+                  "received_bytes": sum(k[2] - k[1] for k in self.to_receive), "sent_ranges": len(self.to_send)}
+        return self.error, counts
 
     def fail(self, e: BaseException) -> None:
         with self._lock:
             self.error = self.error or e
+
+    # -- this rank's own reads ---------------------------------------------------------------------
+
+    def _read_direct(self, it: ReadItem) -> None:
+        try:
+            self.reads.read(it)
+        except Exception as e:  # noqa: BLE001 - reported at the agreement
+            self.fail(e)
+
+    def _read(self, k: tuple[int, int, int]) -> torch.Tensor:
+        """The range's message: its bytes and the status byte (an owner that failed still sends)."""
+        buf = torch.empty(k[2] - k[1] + 1, dtype=torch.uint8)
+        it = self.spans[k][0]  # owners are requesters, so the range is one of this rank's spans
+        try:
+            read_span(self.reads.storage, self.files, it, k[1] - it.piece.byte_offset, k[2] - it.piece.byte_offset,
+                      out=buf[:-1])
+            buf[-1] = _READ
+        except Exception as e:  # noqa: BLE001 - the receivers are told by the status byte, the agreement reports it
+            self.fail(e)
+            buf[-1] = _FAILED
+        return buf
+
+    def _take(self, r: _Range) -> None:
+        if int(r.buf[-1]) != _READ:
+            return  # its owner failed to read it, and reports that itself at the agreement
+        its = self.spans[r.key]
+        try:
+            self.reads.take(its, r.buf[:-1], r.key[1] - its[0].piece.byte_offset)
+        except Exception as e:  # noqa: BLE001 - reported at the agreement; the transfer goes on so no one waits
+            self.fail(e)
+
+    # -- gloo ----------------------------------------------------------------------------------------
+
+    def _post(self, k: tuple[int, int, int], buf: torch.Tensor, post, r: int, what: str):
+        try:
+            return post(buf, dist.get_global_rank(self.group, r), group=self.group, tag=self.tag[k]), r
+        except RuntimeError as e:  # gloo: the peer's connection closed
+            raise self.peer_error(r, what, k, e) from None
+
+    def _send(self, k: tuple[int, int, int], buf: torch.Tensor) -> _Range:
+        receivers = [r for r in self.requesters[k] if r != self.me]
+        return _Range(k, buf, [self._post(k, buf, dist.isend, r, "receive") for r in receivers])
+
+    def _receive(self, k: tuple[int, int, int]) -> _Range:
+        buf = torch.empty(k[2] - k[1] + 1, dtype=torch.uint8)
+        return _Range(k, buf, [self._post(k, buf, dist.irecv, self.owner[k], "send")])
 
     def done(self, r: _Range, what: str) -> bool:
         """Wait for the range's works until the deadline; False (the error recorded) if one did not end."""
@@ -298,134 +387,48 @@ class _Transfer:
             f"[{lo}, {hi}) of {self.files[f]}, in vain ({str(cause).splitlines()[0][:200]}); it may have crashed "
             "or be stuck elsewhere")
 
+    # -- the two directions ----------------------------------------------------------------------------
 
-def _read_once(staging: LoadStaging, spans: dict, num_threads: int, process_group, comm: Comm, wanted: list,
-               op: str, timeout: timedelta) -> tuple[BaseException | None, dict]:
-    """Each byte range read once across the group and sent to the other ranks that need it.
-
-    Shared ranges go in one order on every rank: owners read and send them in it, receivers post and
-    take their receives in it, each with at most `CONFIG.transfer_window_bytes` in flight (and at least one
-    range). The first range not yet delivered can always move: its owner has sent every range before
-    it and waits for a delivery only once it has sent all it read, and its receivers have taken every
-    range before it, so its receive is posted. So the windows never deadlock.
-    """
-    requesters: dict[tuple, list[int]] = {}
-    for r, keys in enumerate(wanted):
-        for k in keys:
-            requesters.setdefault(tuple(k), []).append(r)
-    owner = _worst_fit(requesters, lambda k: k[2] - k[1], comm.world_size)
-    shared = sorted(owner)
-    ranks, group = _transfer_group(process_group, timeout)
-    first = _first_tag(ranks, len(shared))
-    tag = {k: (first + i) % _TAG_SPACE for i, k in enumerate(shared)}
-    me = comm.rank
-    transfer = _Transfer(comm, op, timeout, staging.files)
-    direct = [it for k, its in spans.items() if k not in owner for it in its]
-    to_send = [k for k in shared if owner[k] == me]
-    to_receive = [k for k in shared if owner[k] != me and k in spans]
-
-    def peer(r: int) -> int:
-        return dist.get_global_rank(group, r)
-
-    def stage_direct(it: ReadItem) -> None:
-        try:
-            staging.stage(it)
-        except Exception as e:  # noqa: BLE001 - reported at the agreement
-            transfer.fail(e)
-
-    def read(k: tuple[int, int, int]) -> torch.Tensor:
-        """The range's message: its bytes and the status byte (an owner that failed still sends)."""
-        buf = torch.empty(k[2] - k[1] + 1, dtype=torch.uint8)
-        it = spans[k][0]  # owners are requesters, so the range is one of this rank's spans
-        try:
-            read_span(staging.storage, staging.files, it, k[1] - it.piece.byte_offset, k[2] - it.piece.byte_offset,
-                      out=buf[:-1])
-            buf[-1] = _READ
-        except Exception as e:  # noqa: BLE001 - the receivers are told by the status byte, the agreement reports it
-            transfer.fail(e)
-            buf[-1] = _FAILED
-        return buf
-
-    def post(k: tuple[int, int, int], buf: torch.Tensor, post, r: int, what: str):
-        try:
-            return post(buf, peer(r), group=group, tag=tag[k]), r
-        except RuntimeError as e:  # gloo: the peer's connection closed
-            raise transfer.peer_error(r, what, k, e) from None
-
-    def send(k: tuple[int, int, int], buf: torch.Tensor) -> _Range:
-        receivers = [r for r in requesters[k] if r != me]
-        return _Range(k, buf, [post(k, buf, dist.isend, r, "receive") for r in receivers])
-
-    def receive(k: tuple[int, int, int]) -> _Range:
-        buf = torch.empty(k[2] - k[1] + 1, dtype=torch.uint8)
-        return _Range(k, buf, [post(k, buf, dist.irecv, owner[k], "send")])
-
-    def take(r: _Range) -> None:
-        if int(r.buf[-1]) != _READ:
-            return  # its owner failed to read it, and reports that itself at the agreement
-        its = spans[r.key]
-        try:
-            staging.take(its, r.buf[:-1], r.key[1] - its[0].piece.byte_offset)
-        except Exception as e:  # noqa: BLE001 - reported at the agreement; the transfer goes on so no one waits
-            transfer.fail(e)
-
-    sent: deque[_Range] = deque()    # sent, delivery not yet waited for
-    posted: deque[_Range] = deque()  # receives posted, not yet taken
-
-    def send_owned() -> None:
+    def _send_owned(self, pool: ThreadPoolExecutor) -> None:
         """Read the owned ranges in order on the pool (a window ahead), send each, take this rank's part."""
-        todo, reads = deque(to_send), deque()
+        todo, reading = deque(self.to_send), deque()
         window = 0  # bytes of ranges being read, or sent and not yet received
         try:
-            while todo or reads:
-                while todo and (window < CONFIG.transfer_window_bytes or not (reads or sent)):
+            while todo or reading:
+                while todo and (window < LOAD_CONFIG.transfer_window_bytes or not (reading or self.sent)):
                     k = todo.popleft()
-                    reads.append((k, pool.submit(metrics.bind(read), k)))
+                    reading.append((k, pool.submit(metrics.bind(self._read), k)))
                     window += k[2] - k[1]
-                if not reads:  # the window is full of ranges sent: wait for the oldest to be received
-                    r = sent.popleft()
+                if not reading:  # the window is full of ranges sent: wait for the oldest to be received
+                    r = self.sent.popleft()
                     window -= r.key[2] - r.key[1]
-                    if not transfer.done(r, "receive"):
+                    if not self.done(r, "receive"):
                         return
                     continue
-                k, fut = reads.popleft()
-                r = send(k, fut.result())
-                sent.append(r)
-                take(r)
-            while sent:
-                if not transfer.done(sent.popleft(), "receive"):
+                k, fut = reading.popleft()
+                r = self._send(k, fut.result())
+                self.sent.append(r)
+                self._take(r)
+            while self.sent:
+                if not self.done(self.sent.popleft(), "receive"):
                     return
         except Exception as e:  # noqa: BLE001 - gloo refusing a send (a peer gone): reported at the agreement
-            transfer.fail(e)
+            self.fail(e)
 
-    def receive_all() -> None:
+    def _receive_all(self) -> None:
         """Post receives in order, a window ahead; take each as it arrives."""
-        todo = deque(to_receive)
+        todo = deque(self.to_receive)
         window = 0
         try:
-            while todo or posted:
-                while todo and (window < CONFIG.transfer_window_bytes or not posted):
+            while todo or self.posted:
+                while todo and (window < LOAD_CONFIG.transfer_window_bytes or not self.posted):
                     k = todo.popleft()
-                    posted.append(receive(k))
+                    self.posted.append(self._receive(k))
                     window += k[2] - k[1]
-                r = posted.popleft()
+                r = self.posted.popleft()
                 window -= r.key[2] - r.key[1]
-                if not transfer.done(r, "send"):
+                if not self.done(r, "send"):
                     return
-                take(r)
+                self._take(r)
         except Exception as e:  # noqa: BLE001 - gloo refusing a receive (a peer gone): reported at the agreement
-            transfer.fail(e)
-
-    with ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="bcp-read") as pool:
-        direct_done = [pool.submit(metrics.bind(stage_direct), it) for it in direct]
-        sender = threading.Thread(target=metrics.bind(send_owned), name="bcp-send")
-        sender.start()
-        receive_all()
-        sender.join()
-        for f in direct_done:
-            f.result()
-    if transfer.error is not None:
-        _ABANDONED.extend([*sent, *posted])  # gloo may still read from or fill their buffers
-    counts = {"read_bytes": sum(k[2] - k[1] for k in to_send) + sum(k[2] - k[1] for k in spans if k not in owner),
-              "received_bytes": sum(k[2] - k[1] for k in to_receive), "sent_ranges": len(to_send)}
-    return transfer.error, counts
+            self.fail(e)

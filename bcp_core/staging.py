@@ -31,7 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .errors import BCPError, CommTimeoutError, SaveError
 from .host_memory import host_buffer
-from .save_planner import LocalSavePlan
+from .plan_records import LocalSavePlan
 from .utils import this_rank
 
 log = logging.getLogger("bcp")

@@ -41,13 +41,13 @@ import torch
 
 from bcp_core import codec
 from bcp_core.comm import _decode, _decode_all, _encode, build_tree, subtree_messages
-from bcp_core.engine import WrittenPiece
 from bcp_core.load_planner import box_read_items
 from bcp_core.loader import read_metadata
 from bcp_core.metadata import CHECKSUM_BLOCK_BYTES, METADATA_FILE, num_blocks
-from bcp_core.save_planner import (ObjectShardKey, PlanRequest, RankValueKey, SaveId, SaveStructure, TensorBoxKey,
-                                   TensorEntry, WriteReport, build_metadata, global_save_plan, merge_plan_messages,
-                                   plan_message, plan_replies, read_plan_messages)
+from bcp_core.plan_records import (ObjectShardKey, PerRankEntry, PlanRequest, RankValueKey, SaveId, SaveStructure,
+                                   ShardEntry, TensorBoxKey, TensorEntry, WriteReport, WrittenPiece)
+from bcp_core.save_planner import (build_metadata, global_save_plan, merge_plan_messages, plan_message, plan_replies,
+                                   read_plan_messages)
 from bcp_core.shards import Box, range_boxes
 from bcp_core.storage import storage_for
 from bcp_core.utils import gc_paused
@@ -123,8 +123,9 @@ def rank_structure(stage_params, tp, dp, t, d, zero):
         for state in OPT_STATES:
             tensors.append(TensorEntry(f"optimizer.state.{fqn}.{state}", "float32", list(by_fqn[fqn]), boxes).text())
     return SaveStructure(tuple(tensors), ("optimizer.param_groups", "iteration", "args", "checkpoint_version"),
-                         (("extra_state.rng", None, None), ("extra_state.cuda_rng", "uint8", [16])),
-                         (("dataloader.rank", [dp], [d]),))
+                         (PerRankEntry("extra_state.rng", None, None),
+                          PerRankEntry("extra_state.cuda_rng", "uint8", (16,))),
+                         (ShardEntry("dataloader.rank", (dp,), (d,)),))
 
 
 def rank_coords(rank, tp, dp):
@@ -142,15 +143,16 @@ def fake_reports(structures, gplan, rng, tp, dp):
         pieces, pos = [], 0
         file = f"data/r{r}_0.safetensors"
         for ti, bi in gplan.assignments[r].boxes:
-            fqn, dt, _, boxes = TensorEntry.parse(st.tensors[ti])
-            offs, lens = boxes[bi]
+            entry = TensorEntry.parse(st.tensors[ti])
+            fqn, dt = entry.fqn, entry.dtype
+            offs, lens = entry.boxes[bi]
             nbytes = math.prod(lens) * (2 if dt == "bfloat16" else 4)
             sums = tuple(rng.getrandbits(64) for _ in range(num_blocks(nbytes, CHECKSUM_BLOCK_BYTES)))
             pieces.append(WrittenPiece(TensorBoxKey(fqn, tuple(offs), tuple(lens)), file, pos, nbytes, sums))
             pos += nbytes
         for i in gplan.assignments[r].shards:
-            fqn, _, index = st.sharded_objects[i]
-            pieces.append(WrittenPiece(ObjectShardKey(fqn, tuple(index)), file, pos, 300, (rng.getrandbits(64),)))
+            shard = st.sharded_objects[i]
+            pieces.append(WrittenPiece(ObjectShardKey(shard.fqn, shard.index), file, pos, 300, (rng.getrandbits(64),)))
             pos += 300
         pieces.append(WrittenPiece(RankValueKey("extra_state.cuda_rng"), file, pos, 16, (rng.getrandbits(64),)))
         reports.append(WriteReport(
@@ -308,9 +310,10 @@ def main(argv=None) -> dict:
     load_dp = world // (a.load_tp * a.load_pp)
     target = rank_structure(lstages[0], a.load_tp, load_dp, 0, 0, a.zero)
     items = 0
-    for fqn, _, _, boxes in map(TensorEntry.parse, target.tensors):
+    for entry in map(TensorEntry.parse, target.tensors):
+        fqn = entry.fqn
         tm = md.tensors[fqn]
-        for offs, lens in boxes:
+        for offs, lens in entry.boxes:
             view = torch.empty(lens, dtype=tm.dtype, device="meta")
             items += len(box_read_items(fqn, tm, Box(tuple(offs), tuple(lens), view)))
     t2 = time.perf_counter()

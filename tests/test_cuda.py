@@ -106,14 +106,14 @@ def _busy(device: str) -> None:
 
 
 def _job(role: str):
-    """The newest save of a role, as the checkpointer holds it (its lazy copy, staging slot)."""
-    return get_checkpointer(role)._pending[-1][1]
+    """The newest save of a role, as the checkpointer holds it (its plan and snapshot: staged copies, lazy copy)."""
+    return get_checkpointer(role).queue.pending[-1].progress
 
 
 def _staged_pairs(role: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(staging buffer, live source) of every box the role's newest save staged."""
     job = _job(role)
-    return [(buf, job.plan.tensors[ti][1].boxes[bi].view) for (ti, bi), buf in job.staged.items()]
+    return [(buf, job.plan.tensors[ti][1].boxes[bi].view) for (ti, bi), buf in job.snapshot.staged.items()]
 
 
 def _pinned_where_on_cuda(pairs) -> bool:
@@ -123,7 +123,7 @@ def _pinned_where_on_cuda(pairs) -> bool:
 
 def _pool_buffers(role: str) -> list[torch.Tensor]:
     """Every staging buffer the role's pool holds (both slots, and those of a previous layout)."""
-    pool = get_checkpointer(role)._pool
+    pool = get_checkpointer(role).snapshots.pool
     slots = [s for s in pool._slots if s]
     if pool._old is not None:
         slots += [s for s in pool._old[1] if s]
@@ -193,7 +193,7 @@ def test_lazy_snapshot_holds_the_values_of_the_call(device, tmp_path):
         want = _state_tensors(model, opt)
         _busy(device)
         handle = bcp.save(str(tmp_path / f"ckpt{k}"), {"model": model, "optimizer": opt}, async_save=True, role=role)
-        lazy = _job(role).lazy
+        lazy = _job(role).snapshot.lazy
         assert lazy is not None  # parameters and optimizer state are taken after the call
         if device == "cuda":
             assert lazy._stream is not None and all(b.is_pinned() for b, _ in lazy._pairs)  # fused: all on CUDA

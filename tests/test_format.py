@@ -88,7 +88,7 @@ def test_large_pieces_start_where_direct_io_takes_them_from_memory(tmp_path):
 
 def test_staging_copies_sit_at_their_sources_offset_in_a_page():
     """host_buffer: a large host tensor's staging copy starts at the source's address modulo a page
-    (a save lays its files out for either, engine._layout), in memory of its own; small ones and
+    (a save lays its files out for either, engine.write._arrange), in memory of its own; small ones and
     sources not aligned to their element size get a plain tensor."""
     import mmap
 
@@ -199,13 +199,14 @@ def test_views_of_one_or_no_element_with_any_strides_round_trip(tmp_path):
 @pytest.mark.parametrize("write_bytes,in_place", [(None, False), (1 << 20, False), (3, False), (4096, False),
                                                  (4096, True)])
 def test_pieces_are_hashed_per_block_and_written_in_the_parts_the_writer_asks_for(write_bytes, in_place):
-    """engine._write_hashed: whatever part size the writer asks for (None: the whole piece), every
+    """engine.write._write_hashed: whatever part size the writer asks for (None: the whole piece), every
     byte is written once, in order, in parts of at most that size, and the checksums are those of
     each block of the piece, as docs/format.md defines them (the empty piece: one, of no bytes).
     Given an executor, a chunk the writer takes in place goes whole to `write_in_place`, there."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from bcp_core.engine import _write_hashed, checksum
+    from bcp_core.engine import checksum
+    from bcp_core.engine.write import _write_hashed
     from bcp_core.storage import FileWriter
 
     beside = ThreadPoolExecutor(1) if in_place else None

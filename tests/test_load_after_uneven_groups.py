@@ -18,7 +18,7 @@ def _load_after_uneven_groups(rank, world_size, path):
     import torch.distributed as dist
 
     import bcp_core as bcp
-    from bcp_core.loader import _NODE_GROUPS
+    from bcp_core.comm import _NODE_GROUPS
     dist.new_group([0], backend="gloo")  # rank 1 is no member: the ranks now know different numbers of groups
     state = {"w": torch.arange(12.0).reshape(3, 4) + rank * 0}
     bcp.save(path, state).wait()

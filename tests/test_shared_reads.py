@@ -29,9 +29,9 @@ def _byte_sharing(rank, root) -> list:
     """Each rank on a host of its own: replicas need every byte, and each range is read once."""
     from bcp_core import shared_reads
     from bcp_core.storage import LocalStorage
-    from bcp_core.storage.base import CONFIG
+    from bcp_core.load_config import LOAD_CONFIG, configure_load
 
-    window, budget = CONFIG.transfer_window_bytes, CONFIG.load_staging_bytes
+    window, budget = LOAD_CONFIG.transfer_window_bytes, LOAD_CONFIG.buffer_bytes
     model, optim = build("fsdp2")  # saved sharded...
     bcp.save(os.path.join(root, "ck"), {"model": model, "optimizer": optim}).wait()
     ref = full_state(model, optim)
@@ -48,16 +48,16 @@ def _byte_sharing(rank, root) -> list:
             assert_same(ref, full_state(ddp, ddp_opt), "fsdp2 -> ddp with shared reads")
         # A second shared load must not see the first one's messages. With a transfer window of one
         # byte each range travels alone (in the same order on both ranks, so the windows cannot
-        # deadlock); with no staging budget every received range is verified, dropped, and read again
+        # deadlock); with no buffer budget every received range is verified, dropped, and read again
         # into place once both ranks have verified everything.
-        bcp.storage.configure_storage(transfer_window_bytes=1, load_staging_bytes=0)
+        configure_load(transfer_window_bytes=1, buffer_bytes=0)
         again, again_opt = build("ddp", seed=6)
         bcp.load(os.path.join(root, "ck"), {"model": again, "optimizer": again_opt}, share_reads=True)
         if rank == 0:
             assert_same(ref, full_state(again, again_opt), "second load with shared reads")
     finally:
         LocalStorage.read_into, shared_reads._host = real, host
-        bcp.storage.configure_storage(transfer_window_bytes=window, load_staging_bytes=budget)
+        configure_load(transfer_window_bytes=window, buffer_bytes=budget)
     return [r for r in reads if not r[0].endswith(".json")]
 
 
@@ -67,7 +67,7 @@ def _verification_sharing(rank, root) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from bcp_core import engine
+    from bcp_core.engine import read as engine_read  # where the load's verification looks its checksum up
     from bcp_core.errors import ChecksumError
 
     mesh = init_device_mesh("cpu", (2,))
@@ -82,11 +82,11 @@ def _verification_sharing(rank, root) -> dict:
         if share == "plain":  # plain tensors on one host: by default each rank loads on its own
             target = {"w": torch.zeros(ROWS, COLS)}
         hashed: list = []
-        real = _counting(engine, "checksum", hashed, lambda data: len(data))
+        real = _counting(engine_read, "checksum", hashed, lambda data: len(data))
         try:
             bcp.load(path, target, share_reads=None if share == "plain" else share)
         finally:
-            engine.checksum = real
+            engine_read.checksum = real
         expected = full if share == "plain" else full[:, rank * COLS // 2:(rank + 1) * COLS // 2]
         got = target["w"] if share == "plain" else target["w"].to_local()
         assert torch.equal(got, expected), f"rank {rank}, share_reads={share!r}: loaded values differ"

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from bcp_core.comm import Comm, build_tree
-from bcp_core.save_planner import (PlanRequest, SaveId, SaveStructure, TensorEntry, group_entries,
-                                   merge_plan_messages, plan_message, read_plan_messages)
+from bcp_core.plan_records import PlanRequest, SaveId, SaveStructure, TensorEntry
+from bcp_core.save_planner import group_entries, merge_plan_messages, plan_message, read_plan_messages
 from dist import run_ranks
 
 WORLD, NODE, FAN_IN = 12, 3, 2

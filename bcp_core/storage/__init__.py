@@ -3,7 +3,7 @@
 - `base`: the `Storage`/`FileWriter` interface, the registry (`register_storage`, `storage_for`)
   and process-wide I/O settings (`configure_storage`, `set_storage_options`);
 - `retry`: which failures are transient, and the backoff every remote request goes through;
-- `local`: `LocalStorage` (`/dir`, `file:///dir`) and `MemoryStorage` (`memory://name`);
+- `local`: `LocalStorage` (`/dir`, `file:///dir`); `memory`: `MemoryStorage` (`memory://name`, tmpfs);
 - `fsspec`: `FsspecStorage`, every other scheme (`s3://`, `gs://`, `hdfs://`, ...).
 
 docs/storage.md describes configuration and how to add a backend.
@@ -13,7 +13,8 @@ from ..errors import StorageError, StorageFileNotFoundError, TransientStorageErr
 from .base import (CONFIG, FileWriter, Storage, StorageConfig, configure_storage, register_storage, scheme_of,
                    set_storage_options, storage_for, write_all)
 from .fsspec import FsspecStorage
-from .local import LocalStorage, MemoryStorage, memory_dir
+from .local import LocalStorage
+from .memory import MemoryStorage, memory_dir
 from .retry import is_transient, retry_stats, with_retries
 
 __all__ = [

@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 from ..errors import StorageError
+from ..load_config import configure_load
 from ..utils import cores_per_rank
 
 
@@ -35,9 +36,6 @@ class StorageConfig:
     direct_io: bool = True             # durable local files are written around the page cache (O_DIRECT)
     part_bytes: int = 16 << 20         # object-store upload part (S3 needs >= 5 MiB for all but the last)
     max_inflight_parts: int = 4        # parts buffered per file being uploaded (bounds memory)
-    load_staging_bytes: int = 1 << 30  # a load from storage without memory maps keeps this many verified bytes
-    #                                    per rank; beyond, it verifies in a first pass and reads again at commit
-    transfer_window_bytes: int = 256 << 20  # shared reads: bytes in flight per rank (received or read, not done)
     retry_attempts: int = 5            # attempts per request, the first one included
     retry_base_delay: float = 0.2      # seconds before the first retry; doubles each time, with jitter
     retry_max_delay: float = 10.0
@@ -47,12 +45,18 @@ CONFIG = StorageConfig()
 FS_OPTIONS: dict[str, dict[str, Any]] = {}
 
 
+# Load settings that `configure_storage` took before they moved to `load_config`, and their names there.
+_LOAD_SETTINGS = {"load_staging_bytes": "buffer_bytes", "transfer_window_bytes": "transfer_window_bytes"}
+
+
 def configure_storage(**changes: Any) -> StorageConfig:
-    """Change fields of `CONFIG` (e.g. `configure_storage(part_bytes=64 << 20, retry_attempts=8)`)."""
+    """Change fields of `CONFIG` (e.g. `configure_storage(part_bytes=64 << 20, retry_attempts=8)`).
+    `load_staging_bytes` and `transfer_window_bytes` go on to `load_config.configure_load`."""
     known = {f.name for f in fields(StorageConfig)}
+    configure_load(**{_LOAD_SETTINGS[k]: changes.pop(k) for k in list(changes) if k in _LOAD_SETTINGS})
     for k, v in changes.items():
         if k not in known:
-            raise ValueError(f"unknown storage setting {k!r}; known: {sorted(known)}")
+            raise ValueError(f"unknown storage setting {k!r}; known: {sorted(known | set(_LOAD_SETTINGS))}")
         if v is None:
             continue
         if k == "direct_io":
@@ -60,7 +64,7 @@ def configure_storage(**changes: Any) -> StorageConfig:
                 raise ValueError(f"storage setting direct_io={v!r} must be True or False")
             setattr(CONFIG, k, v)
             continue
-        lowest = 0 if k in ("retry_base_delay", "retry_max_delay", "load_staging_bytes") else 1
+        lowest = 0 if k in ("retry_base_delay", "retry_max_delay") else 1
         if not isinstance(v, (int, float)) or v < lowest:
             raise ValueError(f"storage setting {k}={v!r} must be a number >= {lowest}")
         setattr(CONFIG, k, v)

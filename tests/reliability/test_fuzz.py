@@ -36,12 +36,13 @@ from hypothesis import strategies as st
 
 import bcp_core as bcp
 from bcp_core import codec, shards
-from bcp_core.engine import WrittenPiece
 from bcp_core.metadata import METADATA_FILE, ObjectValue, check_file_sizes, parse_json
 from bcp_core.comm import build_tree
-from bcp_core.save_planner import (Assignment, ObjectShardKey, PlanReply, PlanRequest, RankValueKey, SaveId,
-                                   SaveStructure, TensorBoxKey, TensorEntry, WriteReport, global_save_plan,
-                                   group_entries, merge_plan_messages, plan_message, read_plan_messages)
+from bcp_core.plan_records import (Assignment, ObjectShardKey, PerRankEntry, PlanReply, PlanRequest, RankValueKey,
+                                   SaveId, SaveStructure, ShardEntry, TensorBoxKey, TensorEntry, WriteReport,
+                                   WrittenPiece)
+from bcp_core.save_planner import (global_save_plan, group_entries, merge_plan_messages, plan_message,
+                                   read_plan_messages)
 from bcp_core.shards import Box, ObjectShard, ShardedView
 
 pytestmark = pytest.mark.timeout(300)
@@ -362,7 +363,8 @@ SAVE = SaveId(4, 10, "/ckpt/step_10")
 RECORDS = [
     (PlanRequest(SAVE, "k", None, SaveStructure(
         (TensorEntry("w", "float32", [4, 2], [[[0, 0], [2, 2]]]).text(),), ("cfg",),
-        (("extra_state.rng", "uint8", [8]),), (("loader.buf", [2], [1]),)), ((0, 0),)), PlanRequest),
+        (PerRankEntry("extra_state.rng", "uint8", (8,)),), (ShardEntry("loader.buf", (2,), (1,)),)), ((0, 0),)),
+     PlanRequest),
     (PlanReply(SAVE, Assignment(((0, 0), (1, 2)), (0,)), "tok", "plan1"), PlanReply),
     (WriteReport(SAVE, "k", {"cfg": {"lr": 0.1}}, {"extra_state.rng": ["uint8", [8], "00"]}, ("d1",), {"cfg": "d"},
                  (WrittenPiece(TensorBoxKey("w", (0, 0), (2, 2)), "data/a.safetensors", 128, 16, (1, 2)),
@@ -617,8 +619,8 @@ def reference_plan(structures, writable=None):
         writes[r].append((ti, bi))
     shard_holders: dict[tuple, list] = {}
     for r, structure in enumerate(structures):
-        for i, (fqn, _, index) in enumerate(structure.sharded_objects):
-            shard_holders.setdefault((fqn, tuple(index)), []).append((r, i))
+        for i, shard in enumerate(structure.sharded_objects):
+            shard_holders.setdefault((shard.fqn, shard.index), []).append((r, i))
     shards = [[] for _ in range(world)]
     for hs in shard_holders.values():
         r, i = min(hs, key=lambda h: (len(shards[h[0]]), h[0]))
@@ -657,7 +659,8 @@ def plan_cases(draw):
     structures = []
     for r in range(world):
         order = draw(st.permutations([f for f in fqns if f[0] in held[r]]))
-        shards = [("loader", [world], [d]) for d in sorted(draw(st.sets(st.integers(0, world - 1), max_size=2)))]
+        shards = [ShardEntry("loader", (world,), (d,))
+                  for d in sorted(draw(st.sets(st.integers(0, world - 1), max_size=2)))]
         structures.append(SaveStructure(tuple(TensorEntry(f, dt, list(shape), held[r][f]).text()
                                               for f, dt, shape in order), (), (), tuple(shards)))
     writable = None
@@ -687,4 +690,4 @@ def test_plans_follow_the_rules_gathered_flat_or_over_a_tree(case):
                 plan_it()
         else:
             gplan = plan_it()
-            assert (gplan.assignments, gplan.bytes_per_rank) == expected
+            assert (list(gplan.assignments), list(gplan.bytes_per_rank)) == expected

@@ -22,7 +22,7 @@ from torch import nn
 
 import bcp_core as bcp
 from bcp_core import staging
-from bcp_core.storage.base import CONFIG
+from bcp_core.load_config import LOAD_CONFIG
 from bcp_core.errors import ChecksumError, KeyMismatchError
 from bcp_core.storage import storage_for
 from dist import run_ranks
@@ -100,13 +100,13 @@ def _single_state(model, optim, step: int) -> dict:
 
 @pytest.fixture(params=["local", "s3", "s3-two-pass"])
 def where(request, tmp_path, monkeypatch):
-    """A checkpoint path: a local directory (memory maps), S3 within the staging budget, or S3 with a
+    """A checkpoint path: a local directory (memory maps), S3 within the buffer budget, or S3 with a
     budget of 0 (each tensor verified in a first pass, read into place in a second)."""
     if request.param == "local":
         return str(tmp_path / "ck")
     request.getfixturevalue("s3")
     if request.param == "s3-two-pass":
-        monkeypatch.setattr(CONFIG, "load_staging_bytes", 0)
+        monkeypatch.setattr(LOAD_CONFIG, "buffer_bytes", 0)
     return f"s3://{BUCKET}/atomic-{uuid.uuid4().hex[:8]}"
 
 
@@ -140,8 +140,8 @@ def test_a_corrupted_block_fails_the_load_and_changes_nothing(where):
 
 
 def test_a_file_changed_between_the_two_passes_is_detected(s3, monkeypatch):  # noqa: F811
-    """Beyond the staging budget a tensor is read twice: a change in between fails the second read."""
-    monkeypatch.setattr(CONFIG, "load_staging_bytes", 0)
+    """Beyond the buffer budget a tensor is read twice: a change in between fails the second read."""
+    monkeypatch.setattr(LOAD_CONFIG, "buffer_bytes", 0)
     path = f"s3://{BUCKET}/changed-{uuid.uuid4().hex[:8]}"
     bcp.save(path, {"w": torch.arange(1000.0)}).wait()
     file, pos = _last_piece(path)

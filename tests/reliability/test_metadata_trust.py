@@ -21,7 +21,8 @@ import torch
 import bcp_core as bcp
 from bcp_core import codec
 from bcp_core.metadata import METADATA_FILE, num_blocks
-from bcp_core.save_planner import PlanRequest, SaveId, SaveStructure, TensorEntry, global_save_plan
+from bcp_core.plan_records import PlanRequest, SaveId, SaveStructure, TensorEntry
+from bcp_core.save_planner import global_save_plan
 from bcp_core.shards import Box, ObjectShard, ShardedView
 from bcp_core.storage import LocalStorage, storage_for
 from bcp_core.tools.verify import verify_checkpoint
@@ -91,7 +92,7 @@ def test_boxes_outside_the_shape_are_refused_when_planning():
     with pytest.raises(bcp.PlanError, match=r"tensor 'w' of shape \(4,\): boxes offsets \[3\] lengths \[2\] "
                                             r"\(ranks \[1\]\) lies outside shape \(4,\)"):
         global_save_plan([structure([0], [2]), structure([3], [2])])
-    assert global_save_plan([structure([0], [2]), structure([2], [2]), structure([2], [2])]).bytes_per_rank == [8, 8, 0]
+    assert global_save_plan([structure([0], [2]), structure([2], [2]), structure([2], [2])]).bytes_per_rank == (8, 8, 0)
 
 
 @pytest.mark.parametrize("text", [

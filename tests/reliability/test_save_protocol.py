@@ -67,7 +67,7 @@ def _patched(obj, name, replacement):
 
 
 def _scenarios(rank, world_size, base):
-    from bcp_core import checkpointer, save_planner
+    from bcp_core import checkpointer, save_planner, save_rounds
     from bcp_core.storage import local
     out = {}
 
@@ -163,6 +163,18 @@ def _scenarios(rank, world_size, base):
     target = {"c": torch.zeros(2)}
     bcp.load(os.path.join(root, "step_00000004"), target)
     out["structure_c"] = target["c"].tolist()
+    # ... and when the rank that keeps its structure writes nothing under the cached plan (its one
+    # tensor is replicated, and rank 0 writes it): it staged nothing, so the new plan leaves that
+    # tensor to rank 0, though rank 1 writes fewer bytes.
+    root = os.path.join(base, "nothing-staged")
+    for step in (1, 2, 3):
+        state = {"r": torch.full((4,), float(step))}
+        if rank == 0 and step == 3:
+            state["c"] = torch.ones(2)
+        bcp.save(root, state, step=step, async_save=True, role="nothing-staged").wait()
+    target = {"r": torch.zeros(4), "c": torch.zeros(2)}
+    bcp.load(os.path.join(root, "step_00000003"), target)
+    out["nothing_staged"] = (_committed_steps(root), target["r"].tolist(), target["c"].tolist())
 
     # 6. A second asynchronous save issued before the first one's planning ended: rank 1 does not
     #    hold the plan yet when it stages, rank 0 does. Both commit.
@@ -174,7 +186,7 @@ def _scenarios(rank, world_size, base):
             return original(*args, **kwargs)
         return plan
     with _patched(save_planner, "global_save_plan", slow_plan), \
-            _patched(checkpointer, "global_save_plan", slow_plan):
+            _patched(save_rounds, "global_save_plan", slow_plan):
         h1 = bcp.save(root, _state(rank, 1), step=1, async_save=True, role="early")
         if rank == 0:
             h1.wait()  # the coordinator holds the plan when it calls the second save
@@ -223,6 +235,7 @@ def test_faults_on_one_rank_never_mix_or_lose_saves(tmp_path):
         assert r["on_commit"] == [1, 2, 3]
         assert r["call_error_sync"] == [1, 3] and r["call_error_async"] == [1, 3]
         assert r["structure"] == [1, 2, 3, 4] and r["structure_c"] == [4.0, 4.0]
+        assert r["nothing_staged"] == ([1, 2, 3], [3.0] * 4, [1.0, 1.0])
         assert r["early"] == [1, 2]
         assert r["steps"] == []
         assert r["keep_rotated"] == [2, 3] and r["keep"] == [2, 3]

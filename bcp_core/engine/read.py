@@ -1,254 +1,31 @@
-"""Executes plans against a Storage: writes data files, reads byte ranges back.
+"""The read half of the engine: byte ranges of data files back into tensors, verified.
 
-Data files use safetensors framing (docs/format.md). Writes and reads run in a
-thread pool; file I/O, checksums and tensor copies release the GIL. A load reads
-into staging and verifies before anything goes into place (`LoadStaging`).
+Reads run on a thread pool; file I/O, checksums and copies release the GIL. A load into the
+caller's state reads every byte range and verifies it before anything goes into place
+(`VerifiedReads`); the tools read straight into buffers of their own (`read_all`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
 import threading
-import time
 import warnings
 from collections.abc import Container, Iterable
-from concurrent.futures import Executor, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
-from . import codec, memcopy, metrics
-from .errors import ChecksumError, KeyMismatchError, StorageError
-from .host_memory import bounce, byte_view, ordered_after_callers
-from .load_planner import ReadItem
-from .metadata import CheckpointMetadata, check_metadata_size, num_blocks, parse_json
-from .storage import Storage
-from .storage.base import CONFIG, IN_PLACE_BYTES
-
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-for _name, _code in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
-                     ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
-    if hasattr(torch, _name):
-        SAFETENSORS_DTYPES[getattr(torch, _name)] = _code
-
-
-@dataclass
-class WriteItem:
-    """One piece to write: its header name, its bytes' tensor (on the host and contiguous, or on a
-    CUDA device in a synchronous save) and its piece key (a save_planner record saying what the
-    bytes are; passed through to the report; None for padding, `_layout`)."""
-
-    name: str
-    tensor: torch.Tensor
-    key: Any
-
-
-@codec.record
-@dataclass(frozen=True)
-class WrittenPiece:
-    """Where a written piece's bytes are: file (relative to the checkpoint), byte range, checksums."""
-
-    key: Any
-    file: str
-    byte_offset: int
-    nbytes: int
-    checksums: tuple[int, ...]
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(byte_view(t).numpy()).cast("B")
-
-
-def checksum(data) -> int:
-    """XXH3-64 of a block (releases the GIL; about memory speed)."""
-    return xxhash.xxh3_64_intdigest(data)
-
-
-def _write_hashed(writer, chunks: Iterable[memoryview], block: int,
-                  beside: Executor | None = None) -> tuple[tuple[int, ...], float]:
-    """Hash a piece (the checksum of each `block`) and write it: its bytes come in `chunks` (one for
-    a host tensor, several through a `Bounce` for a device tensor), handed to the writer
-    `writer.write_bytes` at a time, each part hashed just before it is written (the writer then
-    copies bytes still in the core's cache); a writer that prefers large writes (`write_bytes`
-    None) gets each chunk whole, hashed first. Given `beside` (an executor), a chunk the writer can
-    take in place (no copy) goes whole to `write_in_place` there while this thread hashes the same
-    bytes. Returns the checksums and the seconds spent hashing."""
-    sums, hashing = [], 0.0
-    h, in_block = xxhash.xxh3_64(), 0  # streaming XXH3: a block's digest equals `checksum` of its bytes
-
-    def hash_part(part: memoryview) -> None:
-        nonlocal h, in_block, hashing
-        t0 = time.perf_counter()
-        i = 0
-        while i < len(part):
-            take = min(block - in_block, len(part) - i)
-            h.update(part[i:i + take])
-            in_block, i = in_block + take, i + take
-            if in_block == block:
-                sums.append(h.intdigest())
-                h, in_block = xxhash.xxh3_64(), 0
-        hashing += time.perf_counter() - t0
-
-    for data in chunks:
-        if beside is not None and writer.can_write_in_place(data):
-            written = beside.submit(writer.write_in_place, data)
-            try:
-                hash_part(data)
-            finally:
-                futures_wait([written])  # the bytes stay the caller's until the device has them
-            written.result()
-            continue
-        step = writer.write_bytes or max(len(data), 1)
-        for lo in range(0, len(data), step):
-            part = data[lo:lo + step]
-            hash_part(part)
-            writer.write(part)
-    if in_block or not sums:
-        sums.append(h.intdigest())
-    return tuple(sums), hashing
-
-
-def _header(items: list[WriteItem], align: int = 8) -> bytes:
-    """The safetensors header of a file holding `items` in this order, space padded so that the
-    data starts at a multiple of `align` (a multiple of 8, as safetensors wants)."""
-    header: dict = {"__metadata__": {"format": "bcp"}}
-    pos = 0
-    for it in items:
-        n = it.tensor.numel() * it.tensor.element_size()
-        code = SAFETENSORS_DTYPES.get(it.tensor.dtype)
-        shape = list(it.tensor.shape) if code else [n]
-        header[it.name] = {"dtype": code or "U8", "shape": shape, "data_offsets": [pos, pos + n]}
-        pos += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * ((-8 - len(raw)) % align)
-    return len(raw).to_bytes(8, "little") + raw
-
-
-def _layout(items: list[WriteItem], align: int) -> tuple[list[WriteItem], bytes]:
-    """The order of a file's pieces and its header. For a writer that writes a large buffer in place
-    when its address and the file position agree modulo `align`, the data starts at a multiple of
-    `align`, large host pieces come first (those alike modulo `align` together) and each starts at
-    its address modulo `align`, behind a padding entry (`__padding_<k>`, zero bytes, key None)
-    where needed; the other pieces follow."""
-    if not align:
-        return items, _header(items)
-
-    def residue(it: WriteItem) -> int | None:
-        t = it.tensor
-        if t.device.type != "cpu" or t.numel() * t.element_size() < IN_PLACE_BYTES:
-            return None
-        return t.data_ptr() % align
-    large = sorted((it for it in items if residue(it) is not None), key=residue)  # stable: sizes stay descending
-    if not large:
-        return items, _header(items)
-    chosen = {id(it) for it in large}
-    order, pos = [], 0
-    for it in large:
-        pad = (residue(it) - pos) % align
-        if pad:
-            order.append(WriteItem(f"__padding_{len(order)}", torch.zeros(pad, dtype=torch.uint8), None))
-        order.append(it)
-        pos += pad + it.tensor.numel() * it.tensor.element_size()
-    order += [it for it in items if id(it) not in chosen]
-    return order, _header(order, align)
-
-
-# A file per writer thread only pays off for large ranks; small saves stay in one file.
-MIN_BYTES_PER_FILE = 64 << 20
-
-
-def _split_files(items: list[WriteItem], num_files: int) -> list[list[WriteItem]]:
-    total = sum(it.tensor.numel() * it.tensor.element_size() for it in items)
-    n = max(1, min(num_files, len(items), -(-total // MIN_BYTES_PER_FILE)))
-    bins: list[list[WriteItem]] = [[] for _ in range(n)]
-    sizes = [0] * len(bins)
-    for it in sorted(items, key=lambda it: -it.tensor.numel() * it.tensor.element_size()):
-        i = sizes.index(min(sizes))
-        bins[i].append(it)
-        sizes[i] += it.tensor.numel() * it.tensor.element_size()
-    return bins
-
-
-def write_items(storage: Storage, rank: int, items: list[WriteItem], num_files: int,
-                block: int, prefix: str = "", hold=None, in_place: bool = False) -> list[WrittenPiece]:
-    """Write this rank's pieces into up to `num_files` files in parallel; report where each landed.
-
-    `in_place`: large host pieces go to a writer that can take them from their memory (direct
-    I/O) without a copy, the files laid out for it (`_layout`); for saves beside training, where
-    the copy's CPU is taken from training. A save the caller waits for copies them into the
-    writer's small buffers instead: on the development VM (a Firecracker guest) that wrote 512 MiB
-    in 0.27-0.30 s against 0.36-0.38 s in place, for 0.13 s of CPU against 0.09.
-
-    `hold(tensor)`, if given, is a context manager yielding the tensor whose bytes to write for an
-    item's tensor (a lazy snapshot's live source or its copy, staging.LazyCopy.hold); the bytes are
-    read (written and checksummed) before it exits. A piece is hashed as it is handed to the writer,
-    in the parts the writer asks for (`_write_hashed`).
-    """
-    if not items:
-        return []
-    bins = _split_files(items, num_files)
-    storage.makedirs("data")
-    hold = hold or contextlib.nullcontext
-    with ThreadPoolExecutor(len(bins), thread_name_prefix="bcp-write") as pool:
-        def write_file(k: int) -> list[tuple[WriteItem, str, int, int, tuple[int, ...]]]:
-            rel = f"data/{prefix}r{rank}_{k}.safetensors"
-            writer = storage.open_writer(rel)
-            placed = []
-            # writes in place run here while the file's thread hashes the same bytes (no thread
-            # is started for a writer that never writes in place)
-            beside = ThreadPoolExecutor(1, thread_name_prefix="bcp-in-place") if in_place else None
-            try:
-                order, header = _layout(bins[k], writer.align if in_place else 0)
-                writer.write(memoryview(header))
-                pos = len(header)
-                for it in order:
-                    if it.key is None:  # padding (_layout)
-                        writer.write(tensor_bytes(it.tensor))
-                        pos += it.tensor.numel()
-                        continue
-                    with hold(it.tensor) as t:
-                        n = t.numel() * t.element_size()
-                        t0 = time.time()
-                        if t.device.type == "cpu":
-                            sums, hashing = _write_hashed(writer, (tensor_bytes(t),), block, beside)
-                        else:  # a synchronous save of device state: through pinned chunks
-                            with bounce(t.device) as b, contextlib.closing(b.download(t)) as chunks:
-                                sums, hashing = _write_hashed(writer, chunks, block, beside)
-                        rec = metrics.current()
-                        if rec is not None:  # hashing is spread over the write: its total, from the piece's start
-                            rec.add("write", t0, time.time(), n)
-                            rec.add("checksum", t0, t0 + hashing, n)
-                        placed.append((it, rel, pos, n, sums))
-                    pos += n
-                with metrics.phase("fsync"):  # close: flush, fsync and rename, or finish the upload
-                    writer.close()
-            except BaseException as e:
-                writer.abort()
-                raise StorageError(f"rank {rank}: writing {storage.join(rel)} failed: {e}") from e
-            finally:
-                if beside is not None:
-                    beside.shutdown()  # idle: every write handed to it was waited for
-            return placed
-
-        placed = [p for ps in pool.map(metrics.bind(write_file), range(len(bins))) for p in ps]
-    with metrics.phase("fsync"):  # the files' names in data/ are durable before the commit record is written
-        storage.sync_dir("data")
-    return [WrittenPiece(it.key, rel, pos, n, sums) for it, rel, pos, n, sums in placed]
-
-
-# ----------------------------------------------------------------------------- reading
+from .. import codec, memcopy, metrics
+from ..errors import ChecksumError, KeyMismatchError, StorageError
+from ..host_memory import bounce, byte_view, ordered_after_callers
+from ..load_config import LOAD_CONFIG
+from ..metadata import CheckpointMetadata, check_metadata_size, num_blocks, parse_json
+from ..plan_records import ReadItem
+from ..storage import Storage
+from .framing import checksum, tensor_bytes
 
 def _contiguous_strides(lengths: tuple[int, ...]) -> list[int]:
     strides, acc = [], 1
@@ -256,7 +33,6 @@ def _contiguous_strides(lengths: tuple[int, ...]) -> list[int]:
         strides.append(acc)
         acc *= n
     return strides[::-1]
-
 
 def verify_blocks(data: memoryview, start: int, nbytes: int, sums: tuple[int, ...], block: int,
                   file: str, byte_offset: int, what: str, skip: Container[tuple[str, int]] = ()) -> None:
@@ -276,14 +52,14 @@ def verify_blocks(data: memoryview, start: int, nbytes: int, sums: tuple[int, ..
             raise ChecksumError(f"checksum mismatch in {file} bytes [{byte_offset + b * block}, "
                                 f"{byte_offset + b * block + hi - lo}) of {what}: the data file is corrupted")
 
-
 @metrics.timed("checksum", nbytes=lambda _, data, *a: len(data))
+
+
 def _verify(data: memoryview, start: int, item: ReadItem, file: str, block: int,
             skip: Container[tuple[str, int]] = ()) -> None:
     p = item.piece
     verify_blocks(data, start, p.nbytes, p.checksums, block, file, p.byte_offset,
                   f"tensor {item.fqn!r} (piece offsets {list(p.offsets)} lengths {list(p.lengths)})", skip)
-
 
 def read_verified(storage: Storage, file: str, byte_offset: int, nbytes: int, sums: tuple[int, ...],
                   block: int, what: str, verify: bool = True) -> bytes:
@@ -297,7 +73,6 @@ def read_verified(storage: Storage, file: str, byte_offset: int, nbytes: int, su
     if verify:
         verify_blocks(memoryview(buf), 0, nbytes, sums, block, file, byte_offset, what)
     return bytes(buf)
-
 
 class ShardReader:
     """Reads the saved shards of one sharded object on demand: `reader[index]`, `reader.indices`."""
@@ -324,7 +99,6 @@ class ShardReader:
         return codec.decode(parse_json(data, f"{what} in {self._st.join(self._md.files[p.file])}"), self.fqn,
                             self._allow_pickle)
 
-
 def item_span(item: ReadItem, block: int, verify: bool) -> tuple[int, int]:
     """The byte range [lo, hi) of `item.piece` to read for this item: the bytes from the first to the
     last element needed, widened to whole checksum blocks when verifying."""
@@ -338,7 +112,6 @@ def item_span(item: ReadItem, block: int, verify: bool) -> tuple[int, int]:
     if verify:
         return lo // block * block, min(-(-hi // block) * block, p.nbytes)
     return lo, hi
-
 
 def copy_span(item: ReadItem, buf: torch.Tensor, span_lo: int) -> None:
     """Copy the item's elements out of `buf` (its piece's bytes from piece offset `span_lo`) into its destination."""
@@ -362,7 +135,6 @@ def copy_span(item: ReadItem, buf: torch.Tensor, span_lo: int) -> None:
         else:
             dest.copy_(src)
 
-
 def copy_from_span(item: ReadItem, buf: torch.Tensor, span_lo: int, files: tuple[str, ...], block: int,
                    verify: bool, skip: Container[tuple[str, int]] = ()) -> None:
     """Verify `buf` (piece bytes from `span_lo`) and copy the item's elements into its destination."""
@@ -370,14 +142,13 @@ def copy_from_span(item: ReadItem, buf: torch.Tensor, span_lo: int, files: tuple
         _verify(tensor_bytes(buf), span_lo, item, files[item.piece.file], block, skip)
     copy_span(item, buf, span_lo)
 
-
 class FileMaps:
     """Memory maps of the data files one load reads, opened once per file.
 
     A resharded read needs a strided part of a saved piece (half of every row, say). From a map
     the copy reads those bytes straight from the page cache, instead of first copying the whole
-    span into a temporary buffer. A map is also a load's staging for free: its bytes are verified
-    where they lie and copied into place later (`LoadStaging`).
+    span into a temporary buffer. A map also holds a load's verified bytes for free: they are
+    verified where they lie and copied into place later (`VerifiedReads`).
     """
 
     def __init__(self, storage: Storage):
@@ -406,8 +177,9 @@ class FileMaps:
             warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": only ever read from
             return torch.frombuffer(mapped[offset:offset + nbytes], dtype=torch.uint8)
 
-
 @metrics.timed("read", nbytes=lambda buf, *_, **__: buf.numel())
+
+
 def read_span(storage: Storage, files: tuple[str, ...], item: ReadItem, lo: int, hi: int,
               maps: FileMaps | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Bytes [lo, hi) of the item's piece: a view of its file's map if there is one, else read into
@@ -424,12 +196,11 @@ def read_span(storage: Storage, files: tuple[str, ...], item: ReadItem, lo: int,
                            f"tensor {item.fqn!r} failed: {e}") from e
     return buf
 
-
 def read_item(storage: Storage, files: tuple[str, ...], block: int, item: ReadItem, verify: bool,
               maps: FileMaps | None = None, skip: Container[tuple[str, int]] = ()) -> None:
     """Fill `item.dest` from storage, verifying every block read except those in `skip`. A failed
     read or check may leave part of the bytes in the destination: loads into the caller's state go
-    through `LoadStaging` instead."""
+    through `VerifiedReads` instead."""
     p = item.piece
     if math.prod(item.lengths) == 0:
         return
@@ -449,18 +220,16 @@ def read_item(storage: Storage, files: tuple[str, ...], block: int, item: ReadIt
         return
     copy_from_span(item, read_span(storage, files, item, lo, hi, maps), lo, files, block, verify, skip)
 
-
 def read_all(storage: Storage, files: tuple[str, ...], block: int, items: Iterable[ReadItem],
              verify: bool, num_threads: int, skip: Container[tuple[str, int]] = ()) -> None:
     """Read `items` straight into their destinations (buffers of the tools' own, never the caller's
-    state: a load stages its reads, `LoadStaging`)."""
+    state: a load verifies every read first, `VerifiedReads`)."""
     items = list(items)
     if not items:
         return
     maps = FileMaps(storage)
     ordered_after_callers(it.dest for it in items)
     _run_each(lambda it: read_item(storage, files, block, it, verify, maps, skip), items, num_threads)
-
 
 def _run_each(fn, items: list, num_threads: int) -> None:
     """fn(item) for every item on up to `num_threads` threads; the first error is raised once all ended."""
@@ -475,15 +244,14 @@ def _run_each(fn, items: list, num_threads: int) -> None:
         if e is not None:
             raise e
 
-
-# ----------------------------------------------------------------------------- staging a load
+# ----------------------------------------------------------------------------- a load's verified reads
 #
 # A load changes none of the caller's state until every byte it needs has been read and verified.
-# The bytes wait in staging in between. Where the storage offers a memory map (local files,
-# memory://) the map is the staging, for free: checksums are computed on the mapped page cache and
-# the bytes are copied from there into place afterwards, the same work as reading then verifying.
-# Elsewhere (fsspec, S3) verified bytes are kept in memory up to `CONFIG.load_staging_bytes` per rank
-# (configure_storage(load_staging_bytes=...), 1 GiB by default); beyond that
+# The bytes are held in between (`VerifiedReads`). Where the storage offers a memory map (local
+# files, memory://) the map holds them, for free: checksums are computed on the mapped page cache
+# and the bytes are copied from there into place afterwards, the same work as reading then
+# verifying. Elsewhere (fsspec, S3) verified bytes are kept in buffers up to
+# `LOAD_CONFIG.buffer_bytes` per rank (load_config.configure_load, 1 GiB by default); beyond that
 # budget an item is verified in a first pass, in chunks, and read again into place in a second: its
 # bytes cross the network twice, and a file changed between the two passes fails its checksum in the
 # second (ChecksumError, saying that part of the state was loaded by then). Destinations made for the
@@ -493,7 +261,7 @@ VERIFY_CHUNK_BYTES = 16 << 20  # bytes per read of a first-pass verification bey
 
 
 @dataclass(frozen=True)
-class Staged:
+class Verified:
     """A read item whose bytes are verified: `span` holds its piece's bytes from piece offset `lo` on
     (a view of a memory map, or a buffer); None when they are read again into place (beyond the budget)."""
 
@@ -502,16 +270,16 @@ class Staged:
     lo: int
 
 
-class LoadStaging:
-    """One rank's load between reading and writing into place: `stage` reads and verifies, `commit`
+class VerifiedReads:
+    """One rank's load between reading and writing into place: `read` reads and verifies, `commit`
     copies into the destinations. Thread-safe."""
 
     def __init__(self, storage: Storage, files: tuple[str, ...], block: int, verify: bool):
         self.storage, self.files, self.block, self.verify = storage, files, block, verify
-        self.budget = CONFIG.load_staging_bytes
+        self.budget = LOAD_CONFIG.buffer_bytes
         self.buffered = 0  # bytes of buffers kept, at most `budget`
         self.maps = FileMaps(storage)
-        self._staged: list[Staged] = []
+        self._verified: list[Verified] = []
         self._lock = threading.Lock()
 
     def _reserve(self, nbytes: int) -> bool:
@@ -521,11 +289,11 @@ class LoadStaging:
             self.buffered += nbytes
             return True
 
-    def _keep(self, staged: Staged) -> None:
+    def _keep(self, verified: Verified) -> None:
         with self._lock:
-            self._staged.append(staged)
+            self._verified.append(verified)
 
-    def stage(self, item: ReadItem, skip: Container[tuple[str, int]] = ()) -> None:
+    def read(self, item: ReadItem, skip: Container[tuple[str, int]] = ()) -> None:
         """Read and verify one item (blocks in `skip` are verified by another rank)."""
         if math.prod(item.lengths) == 0:
             return
@@ -542,10 +310,11 @@ class LoadStaging:
                 _verify(tensor_bytes(span), lo, item, self.files[p.file], self.block, skip)
         elif self.verify:
             self._verify_in_chunks(item, lo, hi, skip)
-        self._keep(Staged(item, span, lo))
+        self._keep(Verified(item, span, lo))
 
-    def stage_all(self, items: list[ReadItem], num_threads: int, skip: Container[tuple[str, int]] = ()) -> None:
-        _run_each(lambda it: self.stage(it, skip), items, num_threads)
+    def read_each(self, items: list[ReadItem], num_threads: int, skip: Container[tuple[str, int]] = ()) -> None:
+        """`read` every item, on up to `num_threads` threads."""
+        _run_each(lambda it: self.read(it, skip), items, num_threads)
 
     def take(self, items: list[ReadItem], span: torch.Tensor, lo: int) -> None:
         """Bytes read or received elsewhere (`span`: piece bytes from `lo`) for `items`: verified here,
@@ -558,7 +327,7 @@ class LoadStaging:
             if it.fresh:
                 copy_span(it, span, lo)
             else:
-                self._keep(Staged(it, span if keep else None, lo))
+                self._keep(Verified(it, span if keep else None, lo))
 
     def _verify_in_chunks(self, item: ReadItem, lo: int, hi: int, skip: Container[tuple[str, int]]) -> None:
         """The first pass beyond the budget: read [lo, hi) a chunk at a time and check its blocks."""
@@ -571,16 +340,16 @@ class LoadStaging:
             _verify(tensor_bytes(data), start, item, self.files[p.file], self.block, skip)
 
     def commit(self, num_threads: int) -> None:
-        """Copy every staged item into its destination: the caller's state changes from here on."""
-        def put(s: Staged) -> None:
-            if s.span is not None:
-                copy_span(s.item, s.span, s.lo)
+        """Copy every verified item into its destination: the caller's state changes from here on."""
+        def put(v: Verified) -> None:
+            if v.span is not None:
+                copy_span(v.item, v.span, v.lo)
                 return
             try:
-                read_item(self.storage, self.files, self.block, s.item, self.verify, self.maps)
+                read_item(self.storage, self.files, self.block, v.item, self.verify, self.maps)
             except ChecksumError as e:
                 raise ChecksumError(f"{e}; the file changed after this load had verified it, and part of the "
                                     "state was loaded by then") from None
         with self._lock:
-            staged, self._staged = self._staged, []
-        _run_each(put, staged, num_threads)
+            verified, self._verified = self._verified, []
+        _run_each(put, verified, num_threads)
