@@ -263,11 +263,17 @@ def test_wrong_moe_declarations_fail_loudly_and_load_nothing(tmp_path, family, c
     assert all(torch.equal(before[k], v) for k, v in dst.state_dict().items())
 
 
-def test_moe_configs_the_mapping_does_not_declare_are_refused():
-    with pytest.raises(bcp.MappingError, match=r"dense MLP layers \[1\]"):
-        bcp.mapping.megatron_to_hf(hf_config("qwen3_moe", mlp_only_layers=[1]))
+def test_moe_configs_with_dense_layers_are_declared_per_layer():
+    """Dense MLPs among the MoE ones (Qwen's mlp_only_layers, decoder_sparse_step): Megatron's GPTModel saves
+    such a model per layer (moe_layer_freq), which the mapping declares; a stacked layout of it is refused."""
+    m = bcp.mapping.megatron_to_hf(hf_config("qwen3_moe", mlp_only_layers=[1]))
+    assert m.sources["decoder.layers.1.mlp.linear_fc1.weight"] == (96, HIDDEN)  # [gate; up] of the dense FFN 48
+    assert m.sources["decoder.layers.0.mlp.experts.experts.linear_fc1.weight"] == (EXPERTS, 2 * EXPERT_FFN, HIDDEN)
+    assert "model.layers.1.mlp.gate_proj.weight" in m.targets and "model.layers.0.mlp.gate.weight" in m.targets
+    with pytest.raises(bcp.MappingError, match=r"dense MLP layers \[1\].*per layer, not stacked"):
+        bcp.mapping.megatron_to_hf(hf_config("qwen3_moe", mlp_only_layers=[1]), layout="stacked")
     with pytest.raises(bcp.MappingError, match=r"dense MLP layers \[0\]"):
-        bcp.mapping.megatron_to_hf(hf_config("qwen2_moe", decoder_sparse_step=2))
+        bcp.mapping.megatron_to_hf(hf_config("qwen2_moe", decoder_sparse_step=2), layout="stacked")
     with pytest.raises(bcp.MappingError, match="experts must be one of"):
         bcp.mapping.megatron_to_hf(hf_config("mixtral"), experts="stacked")
 
