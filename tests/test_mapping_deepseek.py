@@ -7,6 +7,7 @@ Megatron-core models.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -15,11 +16,16 @@ import torch
 import bcp_core as bcp
 
 transformers = pytest.importorskip("transformers")
-try:  # with the integration, checkpoints are recorded as Megatron's (what mapping="auto" goes by)
-    import bcp_integrations.megatron  # noqa: F401
-    _megatron = True
-except ImportError:
-    _megatron = False
+# with the integration, checkpoints are recorded as Megatron's (what mapping="auto" goes by); imported only when
+# saving: a rank of another test module that imports this one may still pick its megatron-core release
+_megatron = importlib.util.find_spec("megatron") is not None
+
+
+def saved_by() -> str:
+    if not _megatron:
+        return "plain"
+    import bcp_integrations.megatron  # noqa: F401 - registers framework "megatron"
+    return "megatron"
 
 VOCAB, PADDED, HIDDEN, HEADS, LAYERS, EXPERTS = 100, 128, 32, 4, 3, 4
 Q_LORA, KV_LORA, NOPE, ROPE, V_HEAD, EXPERT_FFN, DENSE_FFN = 16, 12, 8, 4, 6, 16, 48
@@ -177,7 +183,7 @@ def megatron_checkpoint(path, model, opt=None, layout="gpt", mtp=None, mtp_momen
                       if not k.endswith("expert_bias")}  # a buffer: no optimizer state
         state |= {k: v for k, v in megatron_ds_layout(sd, L, layout, "optimizer.state.param.", mtp=mtp).items()
                   if not k.endswith("expert_bias")}
-    bcp.save(str(path), state, framework="megatron" if _megatron else "plain").wait()
+    bcp.save(str(path), state, framework=saved_by()).wait()
     if opt is not None:
         step = int(next(iter(opt.state.values()))["step"])
         torch.save({"optimizer": {"optimizer": {"param_groups": [{"lr": 1e-2, "step": step}]}}},
@@ -339,7 +345,7 @@ def test_hybrid_attention_and_mlp_layers_load_into_llama_and_back(tmp_path):
             if "norm" in n:
                 p.uniform_(0.5, 1.5)
     want = hybrid_llama_layout({k: v.detach() for k, v in src.state_dict().items()}, cfg)
-    bcp.save(str(tmp_path / "mg"), want, framework="megatron" if _megatron else "plain").wait()
+    bcp.save(str(tmp_path / "mg"), want, framework=saved_by()).wait()
     dst = transformers.LlamaForCausalLM(cfg).eval()
     bcp.load(str(tmp_path / "mg"), {"model": dst}, mapping=bcp.mapping.megatron_to_hf(cfg, layout="*-*-"))
     assert torch.equal(logits(src), logits(dst))

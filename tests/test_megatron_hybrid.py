@@ -145,7 +145,8 @@ def _train(ddp, opt, seeds) -> list:
 
 
 def _steps(opt) -> list[float]:
-    return sorted({float(s["step"]) for m in getattr(opt, "chained_optimizers", [opt]) for s in m.optimizer.state.values()})
+    members = getattr(opt, "chained_optimizers", [opt])
+    return sorted({float(s["step"]) for m in members for s in m.optimizer.state.values()})
 
 
 def _sharded(model, opt, loading=False, avoid_prefix=True):
@@ -285,7 +286,17 @@ def _hybrid_job(rank, world_size, root, release):
         ps.destroy_model_parallel()
     out["hf_llama"] = _into_hf(root, "llama")
     out["hf_deepseek"] = _into_hf(root, "deepseek")
-    return out
+    return _portable(out)
+
+
+def _portable(value):
+    """`value` with every tensor a numpy array: megatron-core 0.19 pickles a tensor's storage through its own
+    loader, which the test process (megatron-core 0.16.1) lacks."""
+    if isinstance(value, torch.Tensor):
+        return value.numpy()
+    if isinstance(value, dict):
+        return {k: _portable(v) for k, v in value.items()}
+    return value
 
 
 @pytest.fixture(scope="module", params=RELEASE)
@@ -297,7 +308,10 @@ def hybrid_run(request, tmp_path_factory):
 
 
 def _close(a, b) -> bool:
-    return float((a - b).abs().max()) <= 1e-5 * float(b.abs().max())
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    diff, scale = float((a - b).abs().max()), float(b.abs().max())
+    print(f"logits: max difference {diff:.1e}, scale {scale:.2f}")
+    return diff <= 1e-5 * scale
 
 
 def test_hybrid_saves_the_layout_the_mapping_declares(hybrid_run):
@@ -313,7 +327,7 @@ def test_hybrid_checkpoint_loads_into_hf(hybrid_run, kind):
     within 1e-5 of their scale, every Adam moment (per expert) equal to the saved one, step 2, one more step."""
     for r in hybrid_run:
         c = r[f"hf_{kind}"]
-        assert _close(c["logits"], r[kind]["logits"]) and float(c["logits"].abs().max()) > 0.1
+        assert _close(c["logits"], r[kind]["logits"]) and float(abs(c["logits"]).max()) > 0.1
         assert not c["bad"] and c["checked"] > 5000, c["bad"][:5]
         assert c["steps"] == [2.0] and c["after"] == [3.0] and c["states"] == c["params"]
 
@@ -324,7 +338,7 @@ def test_hybrid_reshards_across_tp_pp_and_ep(hybrid_run, kind, case):
     saved again equals the source's, the logits and the next loss are the source's, the step carried."""
     from bcp_core.tools.read import open_checkpoint, read_tensor
     root = hybrid_run[0]["root"]
-    (sa, ma), (sb, mb) = open_checkpoint(os.path.join(root, kind)), open_checkpoint(os.path.join(root, f"{kind}_resharded"))
+    (sa, ma), (sb, mb) = (open_checkpoint(os.path.join(root, name)) for name in (kind, f"{kind}_resharded"))
     plain = {k.split(".", 1)[1] if k.startswith("chained_") else k: k for k in ma.tensors}
     other = {k.split(".", 1)[1] if k.startswith("chained_") else k: k for k in mb.tensors}
     assert plain.keys() == other.keys() and len(plain) > 30
@@ -342,6 +356,8 @@ def test_hf_deepseek_checkpoint_loads_into_hybrid_ep2(hybrid_run):
     moments (both chained optimizers) equal, step 2, one more Megatron step."""
     for r in hybrid_run:
         c = r["reverse"]
+        print(f"HybridModel logits against DeepseekV3ForCausalLM's: max difference {c['logits_diff']:.1e}, "
+              f"scale {c['scale']:.2f}")
         assert c["logits_diff"] <= 1e-5 * c["scale"], c
         assert not c["bad"] and c["checked"] > 5000, c["bad"][:5]
         assert c["steps"] == [2.0] and c["after"] == [3.0], c
