@@ -5,8 +5,11 @@
 # iterations at EP=2 with the distributed optimizer's fully reshardable layout, checkpointing at
 # iterations 3 and 6; then a second run resumes from the iteration-3 checkpoint at EP=1 and trains
 # iterations 4-6 again. Nothing but --expert-model-parallel-size differs between the two commands.
-# Printed: both runs' losses and gradient norms as Megatron-LM logs them, and the largest difference
-# between the two runs' iteration-6 checkpoints, tensor by tensor, read with bcp.
+# Printed: both runs' losses and gradient norms as Megatron-LM logs them (its log line after a resume
+# can average the losses of the iterations since the load: iteration 5's there is the mean of 4 and 5),
+# and the largest difference between the two runs' iteration-6 checkpoints, tensor by tensor, read with
+# bcp (which optimizer of the chain holds an expert's state changes with EP: compared without the
+# chained_<n>. prefix).
 #
 #   recipes/megatron_lm_moe_ep.sh /path/to/Megatron-LM [OUT]
 #
