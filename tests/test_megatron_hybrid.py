@@ -361,3 +361,20 @@ def test_hf_deepseek_checkpoint_loads_into_hybrid_ep2(hybrid_run):
         assert c["logits_diff"] <= 1e-5 * c["scale"], c
         assert not c["bad"] and c["checked"] > 5000, c["bad"][:5]
         assert c["steps"] == [2.0] and c["after"] == [3.0], c
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek"])
+def test_export_hybrid_loads_with_from_pretrained(hybrid_run, kind, tmp_path):
+    """`bcp export --to hf --mapping megatron-to-hf` of a HybridModel checkpoint (the pattern read from its
+    names): from_pretrained gives the HybridModel's logits."""
+    from bcp_core.tools.cli import main
+    config = tmp_path / "config.json"
+    (llama_config() if kind == "llama" else deepseek_config()).to_json_file(str(config))
+    out = tmp_path / "hf"
+    assert main(["export", os.path.join(hybrid_run[0]["root"], kind), str(out), "--to", "hf", "--mapping",
+                 "megatron-to-hf", "--config", str(config)]) == 0
+    cls = transformers.LlamaForCausalLM if kind == "llama" else transformers.DeepseekV3ForCausalLM
+    hf = cls.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        got = hf(input_ids=tokens(99)).logits
+    assert _close(got, hybrid_run[0][kind]["logits"])
