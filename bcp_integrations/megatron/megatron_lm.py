@@ -146,7 +146,7 @@ def _resume_at_another_expert_parallel_size() -> None:
             own = optimizer.load_state_dict
 
             def load_state_dict(state_dict):
-                if isinstance(state_dict, dict):  # a dist checkpoint's (torch_dist, bcp); torch's are left as they are
+                if _distributed_optimizer_state(state_dict):
                     state_dict = chained_optimizer_state(optimizer, state_dict)
                 return own(state_dict)
             optimizer.load_state_dict = load_state_dict  # this call only: an attribute over the method
@@ -163,3 +163,14 @@ def _resume_at_another_expert_parallel_size() -> None:
     for module in (checkpointing, training):
         if getattr(module, "load_checkpoint", None) is original_load:
             module.load_checkpoint = load_checkpoint
+
+
+def _distributed_optimizer_state(state_dict) -> bool:
+    """Whether `state_dict` is a dist checkpoint's state of a DistributedOptimizer or a chain of them (what
+    `chained_optimizer_state` regroups): its param groups under "optimizer", once or per member. Megatron's
+    plain optimizers' state (torch's `state` / `param_groups`) and the legacy format's lists pass unchanged."""
+    if not isinstance(state_dict, dict):
+        return False
+    members = [v for k, v in state_dict.items() if isinstance(k, int)]
+    return "optimizer" in state_dict or bool(members) and all(isinstance(v, dict) and "optimizer" in v
+                                                              for v in members)
