@@ -781,7 +781,8 @@ def test_megatron_checkpoint_into_hf_llama_on_the_device_in_bf16(megatron_run):
     assert float((megatron - ref).abs().max()) <= 0.04 * scale, float((megatron - ref).abs().max())
 
 
-@pytest.mark.parametrize("device", DEVICES)
+# the cpu twin is in the slow tier: tests/test_mapping_deepseek.py runs the same load on CPU in the default suite
+@pytest.mark.parametrize("device", [pytest.param("cpu", id="cpu", marks=pytest.mark.slow), DEVICES[1]])
 def test_deepseek_v3_mapped_into_and_out_of_hf_on_the_device(device, tmp_path):
     """A Megatron DeepSeek-V3 layout (per layer: multi-latent attention, the first layer dense, experts, shared
     experts, the router's expert bias; DistributedOptimizer state; built by hand as tests/test_mapping_deepseek
