@@ -5,8 +5,9 @@ the tests that run Megatron-LM (tests/test_megatron_lm.py) do too. On a GPU mach
 `install()` replaces the CUDA calls Megatron-LM makes beyond Megatron-core's DDP and
 DistributedOptimizer (whose stand-ins, and the mends of the DistributedOptimizer around torch's Adam,
 are recipes/_megatron_cpu.py's `cuda_on_cpu()`, entered here for the whole run);
-`install_in_spawned_process()` is what the processes Megatron starts need. `use_wheel_helpers()` loads the installed megatron-core wheel's compiled dataset helpers, for a
-Megatron-LM checkout that is read-only or has no compiler. Each stand-in names the place that needs
+`install_in_spawned_process()` is what the processes Megatron starts need. `use_wheel_helpers()`
+loads the installed megatron-core wheel's compiled dataset helpers, for a Megatron-LM checkout that
+is read-only or has no compiler. Each stand-in names the place that needs
 it; none belongs in bcp.
 """
 
