@@ -1,5 +1,6 @@
-"""`mapping="auto"`: the declared mapping a load uses, from the framework that saved the checkpoint
-and the model family of the target's Hugging Face config (docs/mapping.md).
+"""`mapping="auto"`: the declared mapping a load uses, from the framework that saved the checkpoint, the
+model family of the target's Hugging Face config (the registry, families.py) and the layout the
+checkpoint's names show (docs/mapping.md).
 """
 
 from __future__ import annotations
@@ -10,19 +11,16 @@ import torch
 
 from ..errors import MappingError
 from ..metadata import CheckpointMetadata
-from .llama import megatron_to_hf
-from .moe import FAMILIES as MOE_FAMILIES
-from .rules import Mapping
-
-# Hugging Face model_type values the declared mappings serve
-FAMILIES = ("llama", "mistral", "qwen2") + MOE_FAMILIES
+from .decoder import layout_of, megatron_to_hf
+from .declaration import Mapping
+from .families import declared, family_of
 
 
 def resolve_mapping(mapping: Any, md: CheckpointMetadata, state: dict, adapter: Any) -> Mapping | None:
     """`mapping` itself, or for "auto" the declared mapping from the framework that saved `md` to the
     target's: none when both are Megatron or both are not; Megatron -> a Hugging Face model of a
-    declared family in `state` (its config says how, its parameters how it holds its experts);
-    anything else is refused."""
+    declared family in `state` (its config says which family, the checkpoint's names which Megatron
+    layout, its parameters how it holds its experts); anything else is refused."""
     if isinstance(mapping, Mapping):
         return mapping
     if mapping != "auto":
@@ -41,12 +39,16 @@ def resolve_mapping(mapping: Any, md: CheckpointMetadata, state: dict, adapter: 
         raise MappingError(f"mapping='auto': the checkpoint was saved by Megatron; the target needs exactly one "
                            f"Hugging Face model (with a .config) in the state, found {len(found)}")
     key, cfg = found[0]
-    family = getattr(cfg, "model_type", None)
-    if family not in FAMILIES:
-        raise MappingError(f"mapping='auto': no declared mapping from Megatron to a {family!r} model (declared: "
-                           f"{', '.join(FAMILIES)})")
+    try:
+        family_of(cfg)
+    except MappingError:
+        model_type = getattr(cfg, "model_type", None)
+        raise MappingError(f"mapping='auto': no declared mapping from Megatron to a {model_type!r} model (declared: "
+                           f"{', '.join(declared())})") from None
     optimizers = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]
-    return megatron_to_hf(cfg, model=key, optimizer=optimizers[0] if len(optimizers) == 1 else "optimizer",
+    layout, _ = layout_of(md.tensors)  # a transformers model holds no multi-token prediction layers
+    return megatron_to_hf(cfg, layout=layout, model=key,
+                          optimizer=optimizers[0] if len(optimizers) == 1 else "optimizer",
                           experts=_expert_layout(_unwrapped(dict(models)[key])))
 
 
