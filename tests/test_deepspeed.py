@@ -261,3 +261,27 @@ def test_hf_zero3_failed_write_on_one_rank_commits_nothing_and_sigterm_commits_a
     _holds(part / f"checkpoint-{stop}", full / f"reference_{stop}.pt")
     _hf(part, "--zero", "3", "--steps", "8", "--save-steps", "4", "--resume")
     _holds(part / "checkpoint-8", full / "reference_8.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_megatron_checkpoint_loads_into_zero3_through_the_mapping(tmp_path):
+    """Megatron-core (TP=2, DistributedOptimizer; recipes/megatron_to_hf.py) -> a Hugging Face Llama under
+    ZeRO-3 on 2 ranks with `mapping="auto"`: weights, both moments and step as a plain model in one process
+    loads them (which tests/test_mapping_megatron.py compares with Megatron itself)."""
+    pytest.importorskip("megatron.core")
+    from dist import run_recipe
+    run_recipe("megatron_to_hf.py", 2, "--phase", "megatron", "--out", str(tmp_path / "megatron"), timeout=400)
+    path = tmp_path / "megatron" / "iter_0000003"
+    model = _job_module().megatron_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    bcp.load(path, {"model": model, "optimizer": opt}, mapping="auto")
+    ref = {f"model.{n}": p.detach().clone() for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        for k in ("exp_avg", "exp_avg_sq"):
+            ref[f"optimizer.state.{n}.{k}"] = opt.state[p][k].clone()
+    ref["step"] = float(next(iter(opt.state.values()))["step"])
+    torch.save(ref, tmp_path / "ref_megatron.pt")
+    run = Job("deepspeed_train.py", 2, "--phase", "megatron", "--root", str(tmp_path), env=ENV)
+    assert run.finish(timeout=400) == 0, run.output[-6000:]
+    assert all((tmp_path / f"megatron_ok_rank{r}").exists() for r in (0, 1))

@@ -64,6 +64,10 @@ class ModuleAdapter:
     def after_module_load(self, module: nn.Module) -> None:
         return None
 
+    def root(self, module: nn.Module) -> nn.Module:
+        """The user's module under this framework's wrappers (its `config` says what model it is)."""
+        return unwrap(module)
+
     def companions(self, module: nn.Module) -> dict[str, Any]:
         """Stateful objects the framework keeps beside `module` that a run's state holds too, by
         name (a DeepSpeed engine's counters: "engine"); see bcp_core.integration.run_state."""

@@ -33,7 +33,7 @@ def resolve_mapping(mapping: Any, md: CheckpointMetadata, state: dict, adapter: 
                            "a Megatron state does not say which model family it is: pass "
                            "mapping=bcp.mapping.hf_to_megatron(hf_config)")
     models = [(k, v) for k, v in state.items() if isinstance(v, torch.nn.Module)]
-    found = [(k, getattr(_unwrapped(v), "config", None)) for k, v in models]
+    found = [(k, getattr(adapter.root(v), "config", None)) for k, v in models]
     found = [(k, cfg) for k, cfg in found if cfg is not None]
     if len(found) != 1:
         raise MappingError(f"mapping='auto': the checkpoint was saved by Megatron; the target needs exactly one "
@@ -45,19 +45,14 @@ def resolve_mapping(mapping: Any, md: CheckpointMetadata, state: dict, adapter: 
         model_type = getattr(cfg, "model_type", None)
         raise MappingError(f"mapping='auto': no declared mapping from Megatron to a {model_type!r} model (declared: "
                            f"{', '.join(declared())})") from None
-    optimizers = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]
+    optimizers = [k for k, v in state.items() if adapter.is_optimizer(v)]
     layout, _ = layout_of(md.tensors)  # a transformers model holds no multi-token prediction layers
     return megatron_to_hf(cfg, layout=layout, model=key,
                           optimizer=optimizers[0] if len(optimizers) == 1 else "optimizer",
-                          experts=_expert_layout(_unwrapped(dict(models)[key])))
+                          experts=_expert_layout(adapter.root(dict(models)[key])))
 
 
 def _expert_layout(model: torch.nn.Module) -> str:
     """How the model holds its experts: one 3-D parameter for all (transformers 5), or a module each."""
     names = (n for n, _ in model.named_parameters())
     return "per_expert" if any(".experts.0." in n for n in names) else "fused"
-
-
-def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
-    from ..adapters import unwrap  # the adapters' layer is above this one
-    return unwrap(module)

@@ -259,6 +259,9 @@ class DeepSpeedAdapter(ModuleAdapter):
             out[name] = b
         return out
 
+    def root(self, module: nn.Module) -> nn.Module:
+        return module_of(module)
+
     def param_fqns(self, module: nn.Module) -> dict[int, str]:
         out: dict[int, str] = {}
         for name, p in module_of(module).named_parameters():

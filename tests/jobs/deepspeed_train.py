@@ -19,6 +19,9 @@ loaded state is compared, bit for bit, with its reference. A checkpoint of anoth
 on every rank with one error naming the tensor and both shapes, leaving the engine as it was.
 Writes DIR/matrix_ok_rank<r> when all of it holds.
 
+megatron (2 ranks): DIR/megatron/iter_0000003 (Megatron-core's checkpoint of recipes/megatron_to_hf.py)
+into a Hugging Face Llama under ZeRO-3 with `mapping="auto"`, compared with DIR/ref_megatron.pt.
+
 continue (1 rank): ZeRO-2 loads DIR/zero3 (saved by 2 ranks), takes the step the 2-rank run took
 after its save on the same 4 sequences, and writes DIR/continued.pt (its fp32 values after it).
 """
@@ -281,13 +284,37 @@ def continue_on_one(root: str) -> None:
     torch.save({"loss": loss, "values": full_values(engine)}, os.path.join(root, "continued.pt"))
 
 
+def megatron_llama():
+    """The Llama of recipes/megatron_to_hf.py's Hugging Face side (its Megatron GPTModel's shape)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "recipes"))
+    import megatron_to_hf as r
+    return LlamaForCausalLM(LlamaConfig(hidden_size=r.HIDDEN, num_attention_heads=r.HEADS,
+                                        num_key_value_heads=r.GROUPS, num_hidden_layers=r.LAYERS,
+                                        intermediate_size=r.FFN, vocab_size=r.VOCAB, rms_norm_eps=1e-5,
+                                        rope_theta=10000.0, max_position_embeddings=32, tie_word_embeddings=False))
+
+
+def from_megatron(root: str) -> None:
+    """A Megatron-core checkpoint (TP=2, DistributedOptimizer) into a Hugging Face Llama under ZeRO-3,
+    through `mapping="auto"`: what a plain model in one process loads (DIR/ref_megatron.pt)."""
+    model = megatron_llama()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=ds_config(3, dist.get_world_size()))
+    bcp.load(os.path.join(root, "megatron", "iter_0000003"), {"model": engine, "optimizer": engine.optimizer},
+             mapping="auto")
+    got = full_values(engine)
+    got.pop("global_steps")
+    check_equal(got, torch.load(os.path.join(root, "ref_megatron.pt")), "Megatron -> ZeRO-3 (mapping='auto')")
+    open(os.path.join(root, f"megatron_ok_rank{dist.get_rank()}"), "w").close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--phase", choices=("matrix", "continue"), required=True)
+    parser.add_argument("--phase", choices=("matrix", "continue", "megatron"), required=True)
     parser.add_argument("--root", required=True)
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
-    {"matrix": matrix, "continue": continue_on_one}[args.phase](args.root)
+    {"matrix": matrix, "continue": continue_on_one, "megatron": from_megatron}[args.phase](args.root)
 
 
 if __name__ == "__main__":
