@@ -9,14 +9,17 @@ ZeRO-3 for one step, then, for each of --repeat rounds, on the same state:
   torch.save and syncs nothing) and durable (the call plus an fsync of each file it wrote);
 - bcp `bcp.save(dir, engine_state(engine))`, synchronous (returns durable and committed), and
   asynchronous: the call (the training stall) and the time until `wait()` returns;
-- loads at the same world size: DeepSpeed's `load_checkpoint`, bcp's `load` of its own checkpoint
-  and of DeepSpeed's (read as it is, `bcp_core.foreign`).
+- loads at the same world size, cold (both checkpoints' files dropped from the page cache with
+  posix_fadvise) and warm (read into it first): DeepSpeed's `load_checkpoint`, bcp's `load` of its
+  own checkpoint and of DeepSpeed's (read as it is, `bcp_core.foreign`: its metadata built anew each
+  time, one more pass over the files). bcp writes large pieces
+  with direct I/O, so its fresh files are not in the page cache: without this, its loads would be
+  cold and DeepSpeed's warm.
 
 Then one rank loads at another world size (2 ranks' checkpoint into ZeRO-3 on 1): bcp's `load`
 against DeepSpeed's way, `ds_to_universal.py` (run as DeepSpeed documents it) and
 `load_checkpoint(..., load_universal)`.
-Times are the slowest rank's wall time between barriers, median of the rounds (files in the page
-cache: this machine cannot drop it). Prints one JSON row with the times and the ratios
+Times are the slowest rank's wall time between barriers, median of the rounds. Prints one JSON row with the times and the ratios
 DeepSpeed / bcp (> 1: bcp is faster). No assertion: this is a measurement.
 """
 
@@ -77,6 +80,20 @@ def _timed(fn) -> float:
     return float(t)
 
 
+def _page_cache(path: str, keep: bool) -> None:
+    """Every file under `path` read into the page cache (`keep`), or dropped from it (posix_fadvise
+    DONTNEED, which needs no privileges): loads are measured warm and cold alike for both systems."""
+    for d, _, files in os.walk(path):
+        for f in files:
+            with open(os.path.join(d, f), "rb") as fh:
+                if keep:
+                    while fh.read(64 << 20):
+                        pass
+                else:
+                    os.fsync(fh.fileno())
+                    os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
 def _fsync_tree(path: str) -> None:
     for d, _, files in os.walk(path):
         for f in files:
@@ -92,6 +109,7 @@ def worker_same(args) -> None:
     import torch.distributed as dist
 
     import bcp_core as bcp
+    from bcp_core import foreign
     from bcp_integrations.deepspeed import engine_state
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
@@ -113,9 +131,18 @@ def worker_same(args) -> None:
                                                                            async_save=True))))
         add("bcp_save_async_durable", rows["bcp_save_async_call"][-1] + _timed(lambda: handle[0].wait()))
         state = engine_state(engine)
-        add("ds_load", _timed(lambda: engine.load_checkpoint(ds_dir)))
-        add("bcp_load", _timed(lambda: bcp.load(bcp_dir, state)))
-        add("bcp_load_ds_files", _timed(lambda: bcp.load(ds_dir, state)))
+        for temp, keep in (("cold", False), ("warm", True)):
+            for d in (ds_dir, bcp_dir):
+                if rank == 0:
+                    _page_cache(d, keep)
+            add(f"ds_load_{temp}", _timed(lambda: engine.load_checkpoint(ds_dir)))
+            if rank == 0:
+                _page_cache(bcp_dir, keep)
+            add(f"bcp_load_{temp}", _timed(lambda: bcp.load(bcp_dir, state)))
+            if rank == 0:
+                _page_cache(ds_dir, keep)
+            foreign._CACHE.clear()  # a job reads DeepSpeed's files once: the metadata is built each time
+            add(f"bcp_load_ds_files_{temp}", _timed(lambda: bcp.load(ds_dir, state)))
     if rank == 0:
         info = {"params": sum(p.ds_numel for p in engine.module.parameters()),
                 "state_bytes": sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in
@@ -131,6 +158,8 @@ def worker_other(args) -> None:
     from bcp_integrations.deepspeed import engine_state
     deepspeed.init_distributed(dist_backend="gloo")
     engine = _engine(args.hidden, args.layers)
+    _page_cache(os.path.join(args.dir, "bcp0"), True)
+    _page_cache(os.path.join(args.dir, "ds0"), True)  # both warm, as ds_to_universal leaves its output
     rows = {"bcp_load_1rank": _timed(lambda: bcp.load(os.path.join(args.dir, "bcp0"), engine_state(engine)))}
     src = os.path.join(args.dir, "ds0")
     tag = open(os.path.join(src, "latest")).read().strip()
@@ -184,8 +213,10 @@ def main() -> None:
             "save_durable (ds call+fsync / bcp sync)": round(t["ds_save_durable"] / t["bcp_save_sync"], 2),
             "save_durable_async (ds call+fsync / bcp async to durable)":
                 round(t["ds_save_durable"] / t["bcp_save_async_durable"], 2),
-            "load_same_world (ds / bcp)": round(t["ds_load"] / t["bcp_load"], 2),
-            "load_ds_files (ds / bcp reading them)": round(t["ds_load"] / t["bcp_load_ds_files"], 2),
+            **{f"load_same_world_{temp} (ds / bcp)": round(t[f"ds_load_{temp}"] / t[f"bcp_load_{temp}"], 2)
+               for temp in ("cold", "warm")},
+            **{f"load_ds_files_{temp} (ds / bcp reading them)":
+               round(t[f"ds_load_{temp}"] / t[f"bcp_load_ds_files_{temp}"], 2) for temp in ("cold", "warm")},
             "load_other_world (ds_to_universal + load / bcp load)": round(convert_and_load / other["bcp_load_1rank"], 2),
         },
     }
