@@ -236,7 +236,7 @@ def _two_ranks(rank, world_size, root, s3_root):
     import torch.distributed as dist
 
     from bcp_core.metadata import METADATA_FILE
-    from bcp_core.storage import FsspecStorage, LocalStorage
+    from bcp_core.storage.faults import Fault, inject
 
     out: dict = {}
     path = f"{root}/fsdp2"
@@ -247,18 +247,10 @@ def _two_ranks(rank, world_size, root, s3_root):
 
     # A good collective load: the metadata file is read by rank 0 only.
     reads: list[str] = []
-    real_read_bytes = LocalStorage.read_bytes
-
-    def counting(self, relpath):
-        reads.append(relpath)
-        return real_read_bytes(self, relpath)
-    LocalStorage.read_bytes = counting
-    try:
+    with inject(Fault("read_bytes", hook=lambda call: reads.append(call.path))):
         good = _fsdp2_state(0)
         bcp.load(path, good, share_reads=True, timeout=TIMEOUT)
-    finally:
-        LocalStorage.read_bytes = real_read_bytes
-    out["metadata_reads"] = reads.count(METADATA_FILE)
+    out["metadata_reads"] = reads.count(f"{path}/{METADATA_FILE}")
     out["loaded"] = _frozen(good) == _frozen(_fsdp2_state(1))
 
     # A corrupted block that only rank 1 reads and verifies: both ranks fail, neither changes. (Rank 1
@@ -300,19 +292,23 @@ def _two_ranks(rank, world_size, root, s3_root):
     out["owner_failed"] = _attempt(lambda: bcp.load(rep_path, rep, share_reads=True, timeout=TIMEOUT))
     out["owner_failed_unchanged"] = _frozen(rep) == rep_before
 
-    # An owner stalls (rank 1's reads take longer than the timeout): rank 0 stops waiting for it.
+    # An owner stalls (rank 1's reads wait until rank 0 has given up on them): rank 0 stops waiting
+    # for it after its timeout. Rank 1's own waits start only once rank 0 has given up.
     stall_path = f"{s3_root}/stalled"
     bcp.save(stall_path, _replicated_state(1)).wait()
-    real_read_into = FsspecStorage.read_into
-    if rank == 1:
-        def stalled(self, relpath, offset, buf):
-            time.sleep(2.5)  # past the 1.5 s timeout below
-            return real_read_into(self, relpath, offset, buf)
-        FsspecStorage.read_into = stalled
-    try:
-        out["stalled"] = _attempt(lambda: bcp.load(stall_path, rep, share_reads=True, timeout=timedelta(seconds=1.5)))
-    finally:
-        FsspecStorage.read_into = real_read_into
+    given_up = os.path.join(root, "stalled_load_given_up")
+
+    def stall(call):
+        deadline = time.monotonic() + 120
+        while not os.path.exists(given_up):
+            assert time.monotonic() < deadline, "rank 0 never gave up on the stalled load"
+            time.sleep(0.01)
+    dist.barrier()
+    with inject(Fault("read_into", hook=stall, path=f"{stall_path}/*")) if rank == 1 else contextlib.nullcontext():
+        out["stalled"] = _attempt(lambda: bcp.load(stall_path, rep, share_reads=True,
+                                                   timeout=timedelta(seconds=3)))
+    if rank == 0:
+        open(given_up, "w").close()
     out["stalled_unchanged"] = _frozen(rep) == rep_before
     dist.barrier()
 
