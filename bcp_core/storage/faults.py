@@ -43,6 +43,7 @@ class Call:
     op: str                    # one of OPS
     path: str                  # the file or directory, as its storage names it (`Storage.join(relpath)`)
     nbytes: int | None = None  # bytes written or read by this call (write, read_into, write_atomic)
+    offset: int | None = None  # where in the file a read_into starts
 
 
 @dataclass(frozen=True)
@@ -119,10 +120,10 @@ _ORIGINAL: dict[str, type[Storage]] = {}  # the registry as it was before the fi
 _CLASSES: dict[type[Storage], type[Storage]] = {}
 
 
-def _check(op: str, path: str, nbytes: int | None = None) -> None:
+def _check(op: str, path: str, nbytes: int | None = None, offset: int | None = None) -> None:
     with _LOCK:
         faults = [f for injection in _ACTIVE for f in injection.faults]
-    call = Call(op, path, nbytes)
+    call = Call(op, path, nbytes, offset)
     for fault in faults:
         if fault.matches(call):
             if fault.hook is not None:
@@ -175,7 +176,7 @@ def _faulty_class(cls: type[Storage]) -> type[Storage]:
             return _FaultyWriter(super().open_writer(relpath), self.join(relpath))
 
         def read_into(self, relpath, offset, out):
-            _check("read_into", self.join(relpath), _nbytes(out))
+            _check("read_into", self.join(relpath), _nbytes(out), offset)
             return super().read_into(relpath, offset, out)
 
         def map(self, relpath):

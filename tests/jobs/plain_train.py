@@ -68,11 +68,8 @@ def main() -> None:
         start = state["extra_state"]["step"]
     preemption = bcp.handle_preemption() if args.preemption else None
     if args.fail_write:
-        from bcp_core import storage
-
-        def no_space(*a, **k):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        storage.local._LocalWriter.write = no_space
+        from bcp_core.storage.faults import Fault, inject
+        inject(Fault("write", error=OSError(errno.ENOSPC, "No space left on device")))
     timeout = timedelta(seconds=args.timeout)
 
     for step in range(start, args.steps):
