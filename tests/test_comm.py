@@ -17,7 +17,9 @@ def _exchange_and_timeout(rank, world_size, root):
     assert comm.gather({"r": rank}, "plan") == ([{"r": r} for r in range(world_size)] if rank == 0 else None)
     assert comm.broadcast({"x": 1} if rank == 0 else None, "bcast") == {"x": 1}
     assert comm.all_gather(rank * 10, "allgather") == [r * 10 for r in range(world_size)]
-    # rank 2 never joins the save: ranks 0 and 1 get an error naming it (and the phase) in time
+    # rank 2 never joins the save: ranks 0 and 1 get an error naming it (and the phase) in time. They
+    # start the save together (a barrier): each must arrive within the timeout it tests.
+    torch.distributed.barrier()
     if rank == 2:
         return "skipped"
     with pytest.raises(bcp.SaveError, match=r"rank\(s\) \[2\] that never arrived"):

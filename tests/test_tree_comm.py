@@ -117,12 +117,14 @@ def _tree_vs_flat(rank, world_size, root):
     bcp.load(os.path.join(root, "tree"), target)
     assert torch.equal(target["w"], state["w"]) and target["extra_state"]["rank"] == rank % 2
 
-    # A rank deep in the tree (10, under node leader 9) never comes: every rank names it.
+    # A rank deep in the tree (10, under node leader 9) never comes: every rank names it. The others
+    # start the save together (a barrier): each must arrive within the timeout it tests.
     os.environ.update(BCP_LOCAL_WORLD_SIZE=str(NODE), BCP_FAN_IN=str(FAN_IN))
+    torch.distributed.barrier()
     if rank == 10:
         return out
     with pytest.raises(bcp.SaveError, match=r"rank\(s\) \[10\] that never arrived"):
-        bcp.save(os.path.join(root, "missing"), state, role="tree-missing", timeout=timedelta(seconds=3))
+        bcp.save(os.path.join(root, "missing"), state, role="tree-missing", timeout=timedelta(seconds=5))
     return out
 
 
