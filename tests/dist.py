@@ -211,6 +211,28 @@ class Job:
         """Send `signum` to torchrun (which forwards it to every worker), or to process `pid` only."""
         os.kill(pid if pid is not None else self.proc.pid, signum)
 
+    def signal_paused(self, root: str, step: int, signum: int, pid: int | None = None, receivers: int = 2,
+                      timeout: float = 120) -> None:
+        """For a job paused at `step` (`--pause-at`, tests/pause.py): `signal`, then, once `receivers`
+        workers have logged that bcp received the signal, release the job."""
+        import signal
+        from pause import release
+        self.signal(signum, pid)
+        line = f"bcp: received {signal.Signals(signum).name}"
+        deadline = time.monotonic() + timeout
+        while self.peek_output().count(line) < receivers:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"{self.name}: {receivers} worker(s) should have logged {line!r}:\n"
+                                     f"{self.peek_output()[-6000:]}")
+            time.sleep(0.05)
+        release(root, step)
+
+    def peek_output(self) -> str:
+        """The output so far, read without moving the file offset the job's processes write at."""
+        fd = self._out.fileno()
+        return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+
     def finish(self, timeout: float = 180) -> int:
         """Wait for the job; its exit status (the output is in `.output`)."""
         import subprocess

@@ -72,10 +72,10 @@ def parse(text: str) -> list[Fault]:
         if kind not in KINDS:
             raise ValueError(f"{ENV}: unknown fault {kind!r} in {spec!r}; known: {', '.join(KINDS)}")
         values: dict = {}
-        for field in fields:
-            key, sep, value = field.partition("=")
+        for item in fields:
+            key, sep, value = item.partition("=")
             if not sep or key not in ("rank", "save", "seconds"):
-                raise ValueError(f"{ENV}: bad field {field!r} in {spec!r}; expected rank=R, save=N or seconds=S")
+                raise ValueError(f"{ENV}: bad field {item!r} in {spec!r}; expected rank=R, save=N or seconds=S")
             values[key] = float(value) if key == "seconds" else int(value)
         if kind == "stall" and (values.get("rank") in (None, 0) or values.get("save") is None):
             raise ValueError(f"{ENV}: {spec!r}: a stall names one save and one rank other than 0 (the "

@@ -217,9 +217,9 @@ _METADATA_READ = Fault("read_bytes", hook=lambda call: pytest.fail(f"{call.path}
 def test_an_oversized_metadata_file_is_refused_without_reading_it(ck):
     from bcp_core.metadata import MAX_METADATA_BYTES, read_metadata_file
     os.truncate(os.path.join(ck, METADATA_FILE), MAX_METADATA_BYTES + 1)  # sparse: takes no disk
+    refused = rf"has {MAX_METADATA_BYTES + 1} bytes, more than the {MAX_METADATA_BYTES} bcp reads as metadata"
     with inject(_METADATA_READ):
-        with pytest.raises(bcp.MetadataError, match=rf"has {MAX_METADATA_BYTES + 1} bytes, more than the "
-                                                    rf"{MAX_METADATA_BYTES} bcp reads as metadata.*BCP_MAX_METADATA_BYTES"):
+        with pytest.raises(bcp.MetadataError, match=refused + ".*BCP_MAX_METADATA_BYTES"):
             read_metadata_file(storage_for(ck))
         rep = verify_checkpoint(ck)
     assert [f["kind"] for f in rep["faults"]] == ["metadata"] and "BCP_MAX_METADATA_BYTES" in rep["faults"][0]["detail"]
