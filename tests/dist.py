@@ -212,13 +212,13 @@ class Job:
         os.kill(pid if pid is not None else self.proc.pid, signum)
 
     def signal_paused(self, root: str, step: int, signum: int, pid: int | None = None, receivers: int = 2,
-                      timeout: float = 120) -> None:
+                      line: str = "bcp: received {}", timeout: float = 120) -> None:
         """For a job paused at `step` (`--pause-at`, tests/pause.py): `signal`, then, once `receivers`
-        workers have logged that bcp received the signal, release the job."""
+        workers have logged `line` (the signal's name in it: bcp's handler's), release the job."""
         import signal
         from pause import release
         self.signal(signum, pid)
-        line = f"bcp: received {signal.Signals(signum).name}"
+        line = line.format(signal.Signals(signum).name)
         deadline = time.monotonic() + timeout
         while self.peek_output().count(line) < receivers:
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -99,7 +99,7 @@ def pretrain(release: str, workdir: str, *flags: str, fmt: str = "torch_dist", s
     if fmt == "bcp" if enable_bcp is None else enable_bcp:
         launcher.append("--bcp")
     if sigterm_after is not None:
-        launcher += ["--iteration-delay", "1"]
+        launcher += ["--pause-at", str(sigterm_after)]
     argv = [*MODEL, "--train-iters", str(ITERATIONS), "--save", ckpt, "--load", ckpt,
             "--save-interval", str(SAVE_INTERVAL), "--ckpt-format", fmt, *flags]
     # TORCH_ELASTIC_SHUTDOWN_TIMEOUT: the grace torchrun gives its workers after a SIGTERM before it
@@ -111,7 +111,7 @@ def pretrain(release: str, workdir: str, *flags: str, fmt: str = "torch_dist", s
         def logged(text: str) -> bool:  # the lines written whole
             return any(json.loads(line)["iteration"] >= sigterm_after for line in text.split("\n")[:-1])
         job.wait_for(os.path.join(records, "losses_rank0.jsonl"), logged, timeout=LAUNCH_TIMEOUT)
-        job.signal(signal.SIGTERM)
+        job.signal_paused(records, sigterm_after, signal.SIGTERM, line="megatron_lm_pretrain: received {}")
     rc = job.finish(timeout=LAUNCH_TIMEOUT)
     seconds = time.monotonic() - start
     if expect_rc is not None:
