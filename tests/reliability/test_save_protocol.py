@@ -85,7 +85,7 @@ def _scenarios(rank, world_size, base):
     root = os.path.join(base, "timeouts")
     for step in range(1, 6):
         h = bcp.save(root, _state(rank, step), step=step, async_save=True, role="timeouts",
-                     timeout=timedelta(seconds=20 + (step > 2)))
+                     timeout=timedelta(seconds=120 + (step > 2)))
     h.wait()
     out["timeouts"] = _assert_each_step_whole(root)
 
