@@ -58,6 +58,20 @@ def _context():
     return ctx
 
 
+def wait_for_file(path: str, timeout: float = 120.0) -> None:
+    """An event between processes: wait until another one has created `path`."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} was never created"
+        time.sleep(0.01)
+
+
+def mark(path: str) -> None:
+    """The other side of `wait_for_file`."""
+    with open(path, "w"):
+        pass
+
+
 def run_ranks(world_size: int, fn, *args, timeout: float = 180.0) -> list:
     """fn(rank, world_size, *args) on each rank; returns the results in rank order or raises."""
     import torch.distributed as dist

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import bcp_core as bcp
-from dist import run_ranks
+from dist import mark, run_ranks, wait_for_file
 
 
 def _state(rank: int, step: int, extra: bool = False) -> dict:
@@ -64,14 +64,6 @@ def _patched(obj, name, replacement):
         finally:
             setattr(obj, name, original)
     return cm()
-
-
-def _wait_for_file(path: str, timeout: float = 120.0) -> None:
-    """An event between ranks: wait until another rank has created `path`."""
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        assert time.monotonic() < deadline, f"{path} was never created"
-        time.sleep(0.01)
 
 
 def _scenarios(rank, world_size, base):
@@ -169,7 +161,7 @@ def _scenarios(rank, world_size, base):
 
     def plan_after_second_call(original):
         def plan(*args, **kwargs):
-            _wait_for_file(called)
+            wait_for_file(called)
             return original(*args, **kwargs)
         return plan
     with _patched(save_planner, "global_save_plan", plan_after_second_call), \
@@ -180,7 +172,7 @@ def _scenarios(rank, world_size, base):
         h2 = bcp.save(root, _state(rank, 2), step=2, async_save=True, role="early")
         out["early_cached"] = checkpointer.get_checkpointer("early").stats["cache_hits"]
         if rank == 1:
-            open(called, "w").close()
+            mark(called)
         h2.wait()
         out["early_plans"] = checkpointer.get_checkpointer("early").stats["plans"]
     out["early"] = _assert_each_step_whole(root)
