@@ -25,7 +25,7 @@ from bcp_core import staging
 from bcp_core.storage.base import CONFIG
 from bcp_core.errors import ChecksumError, KeyMismatchError
 from bcp_core.storage import storage_for
-from dist import run_ranks
+from dist import mark, run_ranks, wait_for_file
 from test_storage import BUCKET, s3  # noqa: F401 - the moto S3 server fixture
 
 # ----------------------------------------------------------------------------- helpers
@@ -234,8 +234,6 @@ def _attempt(fn) -> str | None:
 
 
 def _two_ranks(rank, world_size, root, s3_root):
-    import time
-
     import torch.distributed as dist
 
     from bcp_core.metadata import METADATA_FILE
@@ -296,22 +294,20 @@ def _two_ranks(rank, world_size, root, s3_root):
     out["owner_failed_unchanged"] = _frozen(rep) == rep_before
 
     # An owner stalls (rank 1's reads wait until rank 0 has given up on them): rank 0 stops waiting
-    # for it after its timeout. Rank 1's own waits start only once rank 0 has given up.
+    # for it after the 3 s it tests. Rank 1 is in the load before rank 0 starts (an event), so rank 0
+    # waits only for the stalled reads; rank 1's own timeout is longer, never reached first.
     stall_path = f"{s3_root}/stalled"
     bcp.save(stall_path, _replicated_state(1)).wait()
-    given_up = os.path.join(root, "stalled_load_given_up")
-
-    def stall(call):
-        deadline = time.monotonic() + 120
-        while not os.path.exists(given_up):
-            assert time.monotonic() < deadline, "rank 0 never gave up on the stalled load"
-            time.sleep(0.01)
-    dist.barrier()
-    with inject(Fault("read_into", hook=stall, path=f"{stall_path}/*")) if rank == 1 else contextlib.nullcontext():
-        out["stalled"] = _attempt(lambda: bcp.load(stall_path, rep, share_reads=True,
-                                                   timeout=timedelta(seconds=3)))
-    if rank == 0:
-        open(given_up, "w").close()
+    in_load, given_up = os.path.join(root, "stalled_load_entered"), os.path.join(root, "stalled_load_given_up")
+    if rank == 1:
+        with inject(Fault("read_into", hook=lambda call: wait_for_file(given_up), path=f"{stall_path}/*")):
+            mark(in_load)
+            out["stalled"] = _attempt(lambda: bcp.load(stall_path, rep, share_reads=True,
+                                                       timeout=timedelta(seconds=10)))
+    else:
+        wait_for_file(in_load)
+        out["stalled"] = _attempt(lambda: bcp.load(stall_path, rep, share_reads=True, timeout=timedelta(seconds=3)))
+        mark(given_up)
     out["stalled_unchanged"] = _frozen(rep) == rep_before
     dist.barrier()
 
