@@ -19,8 +19,8 @@ ZeRO-3 for one step, then, for each of --repeat rounds, on the same state:
 Then one rank loads at another world size (2 ranks' checkpoint into ZeRO-3 on 1): bcp's `load`
 against DeepSpeed's way, `ds_to_universal.py` (run as DeepSpeed documents it) and
 `load_checkpoint(..., load_universal)`.
-Times are the slowest rank's wall time between barriers, median of the rounds. Prints one JSON row with the times and the ratios
-DeepSpeed / bcp (> 1: bcp is faster). No assertion: this is a measurement.
+Times are the slowest rank's wall time between barriers, median of the rounds. Prints one JSON row
+with the times and the ratios DeepSpeed / bcp (> 1: bcp is faster). No assertion: this is a measurement.
 """
 
 from __future__ import annotations
@@ -217,7 +217,8 @@ def main() -> None:
                for temp in ("cold", "warm")},
             **{f"load_ds_files_{temp} (ds / bcp reading them)":
                round(t[f"ds_load_{temp}"] / t[f"bcp_load_ds_files_{temp}"], 2) for temp in ("cold", "warm")},
-            "load_other_world (ds_to_universal + load / bcp load)": round(convert_and_load / other["bcp_load_1rank"], 2),
+            "load_other_world (ds_to_universal + load / bcp load)":
+                round(convert_and_load / other["bcp_load_1rank"], 2),
         },
     }
     print(json.dumps(out, indent=1))

@@ -154,10 +154,15 @@ def preload_tensors_copying(write_buckets, non_blocking=True):
 def _one_device() -> None:
     """One CUDA device to count and select: _initialize_distributed builds the model-parallel groups
     and seeds the model-parallel RNG tracker only when it sees a device; the persistent checkpoint
-    worker selects `rank % device_count()` first thing."""
+    worker selects `rank % device_count()` first thing. And none available, whichever torch build
+    runs: torch pins memory where `is_available()` says so (the DataLoader Megatron-LM builds with
+    pin_memory=True), which initialises CUDA; with a CUDA build on a machine without a GPU that fails
+    ("Found no NVIDIA driver"), and with PYTORCH_NVML_BASED_CUDA_CHECK=1 torch's own is_available()
+    would take the device count above for a device."""
     import torch
     _patch(torch.cuda, "device_count", lambda: 1)
     _patch(torch.cuda, "set_device", lambda *a, **k: None)
+    _patch(torch.cuda, "is_available", lambda: False)
 
 
 def install_in_spawned_process() -> None:

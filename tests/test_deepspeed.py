@@ -251,9 +251,9 @@ def test_hf_zero3_failed_write_on_one_rank_commits_nothing_and_sigterm_commits_a
     full, part = tmp_path / "full", tmp_path / "part"
     _hf(full, "--zero", "3", "--steps", "8", "--save-steps", "4")
     job = Job("hf_train.py", 2, "--root", str(part), "--steps", "8", "--save-steps", "4", "--zero", "3",
-              "--preemption", "--step-delay", "0.3", env=ENV)
-    job.wait_for(str(part / "progress_rank1"), lambda text: int(text.split()[0]) >= 3)
-    job.signal(signal.SIGTERM)
+              "--preemption", "--pause-at", "3", env=ENV)
+    job.wait_for(str(part / "progress_rank1"), lambda text: int(text.split()[0]) == 3)
+    job.signal_paused(str(part), 3, signal.SIGTERM)
     assert job.finish(timeout=300) != 0
     steps = sorted(int(p.name.split("-")[1]) for p in part.iterdir() if p.name.startswith("checkpoint-"))
     stop = steps[-1]

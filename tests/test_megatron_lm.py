@@ -99,7 +99,7 @@ def pretrain(release: str, workdir: str, *flags: str, fmt: str = "torch_dist", s
     if fmt == "bcp" if enable_bcp is None else enable_bcp:
         launcher.append("--bcp")
     if sigterm_after is not None:
-        launcher += ["--iteration-delay", "1"]
+        launcher += ["--pause-at", str(sigterm_after)]
     argv = [*MODEL, "--train-iters", str(ITERATIONS), "--save", ckpt, "--load", ckpt,
             "--save-interval", str(SAVE_INTERVAL), "--ckpt-format", fmt, *flags]
     # TORCH_ELASTIC_SHUTDOWN_TIMEOUT: the grace torchrun gives its workers after a SIGTERM before it
@@ -111,13 +111,21 @@ def pretrain(release: str, workdir: str, *flags: str, fmt: str = "torch_dist", s
         def logged(text: str) -> bool:  # the lines written whole
             return any(json.loads(line)["iteration"] >= sigterm_after for line in text.split("\n")[:-1])
         job.wait_for(os.path.join(records, "losses_rank0.jsonl"), logged, timeout=LAUNCH_TIMEOUT)
-        job.signal(signal.SIGTERM)
+        job.signal_paused(records, sigterm_after, signal.SIGTERM, line="megatron_lm_pretrain: received {}")
     rc = job.finish(timeout=LAUNCH_TIMEOUT)
     seconds = time.monotonic() - start
     if expect_rc is not None:
         assert rc == expect_rc, f"pretrain_gpt.py {release} {' '.join(flags)} exited {rc}:\n{job.output[-8000:]}"
     print(f"[{release} {fmt} {' '.join(flags)}] {seconds:.1f} s")
     return Run(_losses(records), job.output, rc, seconds)
+
+
+def resumes_torch_dist(release: str, saved_fmt: str) -> None:
+    """Skip, saying why, a resume from a checkpoint whose common.pt Megatron pickled itself where this
+    Python's pickles of it cannot be loaded (megatron_releases.megatron_common_pt_unloadable)."""
+    reason = megatron_releases.megatron_common_pt_unloadable(release) if saved_fmt == "torch_dist" else None
+    if reason is not None:
+        pytest.skip(reason)
 
 
 def _losses(records: str) -> dict[int, float]:
@@ -225,6 +233,7 @@ def test_resume_is_bit_identical(release, fmt, variant, uninterrupted, tmp_path)
     (the iteration-6 save is still being written when training ends, and the process exits after
     it), and load fully parallel. optimizer_sync: Megatron's plain optimizer, synchronous saves."""
     flags = [] if variant == "optimizer_sync" else [*DISTRIBUTED_OPTIMIZER, *async_flags(release)]
+    resumes_torch_dist(release, fmt)
     reference, ref_dir = uninterrupted(release, fmt, *flags)
     workdir = str(tmp_path)
     resume_from(ref_dir, workdir, SAVE_INTERVAL)
@@ -243,6 +252,7 @@ def test_sigterm_checkpoints_and_resumes(release, fmt, uninterrupted, tmp_path):
     """SIGTERM to torchrun after iteration 2 with `--exit-signal-handler` (Megatron's plain
     optimizer): Megatron-LM checkpoints the iteration it is in and exits; the resumed run goes on to
     iteration 6 with the uninterrupted run's losses and final checkpoint, bit for bit."""
+    resumes_torch_dist(release, fmt)
     reference, ref_dir = uninterrupted(release, fmt)
     workdir = str(tmp_path)
     stopped = pretrain(release, workdir, "--exit-signal-handler", fmt=fmt, sigterm_after=2, expect_rc=None)
@@ -266,6 +276,7 @@ def test_resume_across_formats(release, saved, resumed_fmt, uninterrupted, tmp_p
     synchronous saves), the script calling enable_megatron_lm() either way: the iteration-3
     checkpoint loads, iterations 4-6 log the uninterrupted run's losses, and the iteration-6
     checkpoint, written in the new format, holds its tensors bit for bit."""
+    resumes_torch_dist(release, saved)
     reference, ref_dir = uninterrupted(release, saved)
     workdir = str(tmp_path)
     resume_from(ref_dir, workdir, SAVE_INTERVAL)
@@ -297,6 +308,7 @@ def test_reshard_on_resume(release, source, fmt, uninterrupted, tmp_path):
     the distributed optimizer's fully reshardable layout: iterations 4-6 within 1e-4 of the
     uninterrupted run at the source layout (pipeline stages are seeded apart, so PP=2 starts from
     other weights than PP=1)."""
+    resumes_torch_dist(release, fmt)
     reference, ref_dir = uninterrupted(release, fmt, *FULLY_RESHARDABLE, *source)
     workdir = str(tmp_path)
     resume_from(ref_dir, workdir, SAVE_INTERVAL)

@@ -233,7 +233,7 @@ def _stage3(b: _Builder, shapes: list[dict], optim: dict[int, Archive], world: i
             runs[name] = [x for x in runs[name] if x.numel]
             at += part
         flats = {r: (optim[r].relpath, osds[r]["fp32_flat_groups"][s]) for r in osds}
-        for r, (rel, flat) in flats.items():
+        for rel, flat in flats.values():
             if flat.numel != at:
                 raise MetadataError(f"{b.where}/{rel}: sub-group {s} holds {flat.numel} elements; its parameters' "
                                     f"partitions over {world} ranks take {at}")

@@ -2,7 +2,7 @@
 real jobs end.
 
     torchrun --nproc_per_node 2 tests/jobs/accelerate_train.py --root DIR [--steps N] [--end HOW]
-        [--save-every K] [--total-limit L] [--preemption] [--resume DIR | --resume-newest] [--step-delay S]
+        [--save-every K] [--total-limit L] [--preemption] [--resume DIR | --resume-newest] [--pause-at STEP]
         [--zero STAGE]
 
 The only bcp line is `register(accelerator, ...)`; checkpoints are `accelerator.save_state(dir)`
@@ -13,7 +13,8 @@ The only bcp line is `register(accelerator, ...)`; checkpoints are `accelerator.
 last save_state: "script" (falls off the end), "end_training" (`accelerator.end_training()`, then
 falls off the end), "sys_exit" (sys.exit(0)), "exception" (an uncaught exception). With
 --preemption, `register(accelerator, preemption=True)`: on SIGTERM the job saves at the step every
-process agrees on and exits 143. Each step writes DIR/progress_rank<r> ("<step reached> <pid>");
+process agrees on and exits 143. Each step writes DIR/progress_rank<r> ("<step reached> <pid>"),
+and at --pause-at waits for the test to release it (tests/pause.py);
 DIR/reference_<step>.pt holds, from process 0, the values the checkpoint of <step> must hold.
 --resume DIR continues from `accelerator.load_state(DIR)` to --steps; --resume-newest from
 `accelerator.load_state()` (the newest checkpoint; DIR/resumed.pt: the values loaded), then numbers
@@ -30,7 +31,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,7 @@ from bcp_integrations.accelerate import register
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import faults  # noqa: E402 - tests/faults.py
+from pause import pause_at  # noqa: E402 - tests/pause.py
 
 
 class Progress:
@@ -105,7 +106,7 @@ def main() -> None:
     p.add_argument("--preemption", action="store_true")
     p.add_argument("--resume", default=None, help="accelerator.load_state directory")
     p.add_argument("--resume-newest", action="store_true", help="accelerator.load_state()")
-    p.add_argument("--step-delay", type=float, default=0.0)
+    p.add_argument("--pause-at", type=int, default=None, help="wait at this step until the test releases it")
     p.add_argument("--zero", type=int, choices=(1, 2, 3), default=None)
     args = p.parse_args()
     faults.install_from_env()
@@ -170,7 +171,8 @@ def main() -> None:
         progress.step += 1
         with open(os.path.join(args.root, f"progress_rank{rank}"), "w") as f:
             f.write(f"{progress.step} {os.getpid()}")
-        time.sleep(args.step_delay)
+        if progress.step == args.pause_at:
+            pause_at(args.root, progress.step)
         if args.preemption and ckpt.stop_requested():
             save(progress.step)
             ckpt.preemption.exit()  # commits the save, exits 143

@@ -2,7 +2,7 @@
 ways real jobs end.
 
     torchrun --nproc_per_node 2 tests/jobs/hf_train.py --root DIR [--steps N] [--save-steps K]
-        [--save-total-limit L] [--trainer bcp|callback] [--end HOW] [--preemption] [--resume] [--step-delay S]
+        [--save-total-limit L] [--trainer bcp|callback] [--end HOW] [--preemption] [--resume] [--pause-at STEP]
         [--zero STAGE] [--stop-at STEP]
 
 A tiny Llama (built from a config, attention dropout so the RNG states matter) trains on 32 fixed
@@ -14,7 +14,8 @@ returns and the script ends, --end: "script" (falls
 off the end), "sys_exit" (sys.exit(0)), "exception" (an uncaught exception). With --preemption,
 `BCPCallback(preemption=True)`: SIGTERM leads to checkpoint-<step> at the step every rank stops at,
 and exit 143; --resume continues with `BCPTrainer.train(resume_from_checkpoint=True)`.
-Each optimizer step writes DIR/progress_rank<r> ("<step> <pid>") and then waits --step-delay; at
+Each optimizer step writes DIR/progress_rank<r> ("<step> <pid>") and at --pause-at waits for the
+test to release it (tests/pause.py); at
 each step's end rank 0 writes DIR/reference_<step>.pt, the values a checkpoint of that step
 holds (the optimizer's state by parameter name, as bcp saves it). BCP_TEST_FAULT injects faults
 into the saves (tests/faults.py). Each rank writes its logged losses to DIR/losses_rank<r>.json.
@@ -31,7 +32,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -42,6 +42,7 @@ from bcp_integrations.hf import BCPCallback, BCPTrainer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import faults  # noqa: E402 - tests/faults.py
+from pause import pause_at  # noqa: E402 - tests/pause.py
 
 MODEL = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
              num_key_value_heads=2, max_position_embeddings=32, attention_dropout=0.1)
@@ -74,7 +75,8 @@ class Job(TrainerCallback):
     def on_optimizer_step(self, args, state, control, **kwargs):
         with open(os.path.join(self.args.root, f"progress_rank{args.process_index}"), "w") as f:
             f.write(f"{state.global_step + 1} {os.getpid()}")
-        time.sleep(self.args.step_delay)
+        if state.global_step + 1 == self.args.pause_at:
+            pause_at(self.args.root, self.args.pause_at)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
@@ -134,7 +136,7 @@ def main() -> None:
     p.add_argument("--end", default="script", choices=["script", "sys_exit", "exception"])
     p.add_argument("--preemption", action="store_true")
     p.add_argument("--resume", action="store_true", help="train(resume_from_checkpoint=True) (BCPTrainer)")
-    p.add_argument("--step-delay", type=float, default=0.0)
+    p.add_argument("--pause-at", type=int, default=None, help="wait at this step until the test releases it")
     p.add_argument("--zero", type=int, choices=(1, 2, 3), default=None)
     p.add_argument("--stop-at", type=int, default=None)
     args = p.parse_args()
