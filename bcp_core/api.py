@@ -63,8 +63,9 @@ def save(path: str | os.PathLike, state: dict, framework: str = "auto", async_sa
 
     `path` may be a `bcp.Tiers` (with a step): the checkpoint goes to each node's own memory, is
     replicated to other nodes and committed there once every piece has its copies, and every
-    `persist_every`-th step is drained to durable storage in the background (docs/tiers.md). A save whose structure is unchanged on every rank reuses the cached plan: one small
-    exchange confirms it, no planning. `num_threads`: files this rank writes at once (default: its
+    `persist_every`-th step is drained to durable storage in the background (docs/tiers.md).
+    A save whose structure is unchanged on every rank reuses the cached plan: one small exchange
+    confirms it, no planning. `num_threads`: files this rank writes at once (default: its
     share of the host's cores, at most 4, so that background writes leave training its cores).
     """
     return get_checkpointer(role).save(

@@ -198,44 +198,49 @@ class Checkpointer:
     # -- agree, write and commit (on the role's save thread for async saves) ----------------------------
 
     def _run(self, comm: Comm, request: SaveRequest, progress: SaveProgress) -> str:
-        """Agree on the plan, write this rank's pieces, commit; a save that failed is marked so.
-        Every rank reaches the commit round once the plan is agreed, whatever fails on it in between."""
-        op = f"s{request.save.number}"
+        """Agree on the plan, write this rank's pieces, commit; a save that failed is marked so."""
         try:
-            try:
-                progress.phase = "planning"
-                # decided here, not in the call: every earlier save of the role has ended on every rank
-                # by now, so every rank sees the same roots checked
-                progress.probe = request.root is not None and request.tiers is None and len(set(comm.nodes)) > 1 \
-                    and request.root.root not in self._probed
-                if request.tiers is not None:  # each node's own memory (tiers/memory_tier.py)
-                    request.tiers.before_plan(comm, request, progress, op)
-                write_probe(comm, request, progress)
-                progress.agreed = self.rounds.agree(comm, request, progress, op)
-                if progress.snapshot is not None:
-                    progress.snapshot.keep_only(progress.agreed.assignment)
-            except BaseException:
-                self._release(progress)
-                raise
-            progress.phase = "writing"
-            report = self._write(comm, request, progress)
-            if request.tiers is not None:  # every piece gets its copies on other nodes before the commit
-                report = request.tiers.replicate(comm, request, report)
-            try:
-                self._release(progress)
-            except Exception as e:  # noqa: BLE001 - reported to the coordinator, so every rank fails alike
-                if report.error is None:
-                    report = WriteReport.failed(request.save, rank_error(comm.rank, e))
-            progress.phase = "committing"
-            self.rounds.commit(comm, request, progress, report, op)
+            return self._agree_write_commit(comm, request, progress)
         except SaveError as e:  # raised by a round: this save failed on every rank
             # (a tiered save's step directory is on every node: each node's leader marks its own)
             marks = comm.node_leaders if request.tiers is not None else [0]
             if comm.rank in marks and progress.phase != "committed" and request.ckpt is not None:
                 mark_failed(request, e)
             raise
-        if progress.probe:
-            self._probed.add(request.root.root)
+
+    def _agree_write_commit(self, comm: Comm, request: SaveRequest, progress: SaveProgress) -> str:
+        """Every rank reaches the commit round once the plan is agreed, whatever fails on it in between."""
+        op = f"s{request.save.number}"
+        try:
+            progress.phase = "planning"
+            # decided here, not in the call: every earlier save of the role has ended on every rank by
+            # now, so every rank sees the same roots checked
+            progress.probe = request.root is not None and request.tiers is None and len(set(comm.nodes)) > 1 \
+                and request.root.root not in self._probed
+            if request.tiers is not None:  # each node's own memory (tiers/memory_tier.py)
+                request.tiers.before_plan(comm, request, progress, op)
+            write_probe(comm, request, progress)
+            progress.agreed = self.rounds.agree(comm, request, progress, op)
+            if progress.snapshot is not None:
+                progress.snapshot.keep_only(progress.agreed.assignment)
+        except BaseException:
+            self._release(progress)
+            raise
+        progress.phase = "writing"
+        report = self._write(comm, request, progress)
+        if request.tiers is not None:  # every piece gets its copies on other nodes before the commit
+            report = request.tiers.replicate(comm, request, report)
+        try:
+            self._release(progress)
+        except Exception as e:  # noqa: BLE001 - reported to the coordinator, so every rank fails alike
+            if report.error is None:
+                report = WriteReport.failed(request.save, rank_error(comm.rank, e))
+        progress.phase = "committing"
+        try:
+            self.rounds.commit(comm, request, progress, report, op)
+        finally:  # committed, even if on_commit then raised: every node was seen to share the root
+            if progress.probe and progress.phase == "committed":
+                self._probed.add(request.root.root)
         return request.ckpt.root
 
     def _write(self, comm: Comm, request: SaveRequest, progress: SaveProgress) -> WriteReport:

@@ -91,8 +91,9 @@ class SaveRounds:
         if isinstance(answer, ResendStructure):
             with self._lock:  # never reused again unless the new plan confirms it
                 self._plans.pop(plan.key, None)
-            writable = progress.snapshot.writable() if progress.snapshot is not None else None
-            ask = PlanRequest(sid, plan.key, None, plan.structure, tuple(sorted(writable)) if writable else None)
+            writable = progress.snapshot.writable() if progress.snapshot is not None else None  # None: every box
+            ask = PlanRequest(sid, plan.key, None, plan.structure,
+                              None if writable is None else tuple(sorted(writable)))
             answer = self.round(comm, request, f"{op}/replan", ask, self._decide)
         if isinstance(answer, UseCachedPlan):
             return progress.cached

@@ -83,23 +83,18 @@ def _async_scenarios(rank, world_size, root):
 
     # 3. A write failure on rank 1: wait() raises on every rank, nothing is committed, the next
     #    save goes through.
-    import bcp_core.save_snapshot as mod
-    real = mod.write_items
-
-    def failing(storage, r, *a, **k):
-        if r == 1:
-            raise OSError(28, "No space left on device")
-        return real(storage, r, *a, **k)
-    mod.write_items = failing
+    from bcp_core.storage.faults import Fault, inject
+    full_disk = inject(Fault("write", error=OSError(28, "No space left on device"))) if rank == 1 else None
     h = bcp.save(os.path.join(root, "b"), {"model": model}, step=1, async_save=True, role="async-test")
-    with pytest.raises(bcp.SaveError, match=r"rank 1: OSError: \[Errno 28\] No space left on device"):
+    with pytest.raises(bcp.SaveError, match=r"rank 1: .*\[Errno 28\] No space left on device"):
         h.wait()
     assert not os.path.exists(os.path.join(root, "b", "step_00000001", "bcp_metadata.json"))
     # not waited on: surfaces at the next save of the role
     h = bcp.save(os.path.join(root, "b"), {"model": model}, step=2, async_save=True, role="async-test")
     while not h.done():
         time.sleep(0.01)
-    mod.write_items = real
+    if full_disk is not None:
+        full_disk.remove()
     # raised once the next save is under way (here a synchronous one, which commits): every rank
     # takes part in every save, so no rank skips one and pairs its messages with another's
     with pytest.raises(bcp.PreviousSaveError, match="an earlier asynchronous save .* failed"):

@@ -781,6 +781,40 @@ def test_megatron_checkpoint_into_hf_llama_on_the_device_in_bf16(megatron_run):
     assert float((megatron - ref).abs().max()) <= 0.04 * scale, float((megatron - ref).abs().max())
 
 
+# the cpu twin is in the slow tier: tests/test_mapping_deepseek.py runs the same load on CPU in the default suite
+@pytest.mark.parametrize("device", [pytest.param("cpu", id="cpu", marks=pytest.mark.slow), DEVICES[1]])
+def test_deepseek_v3_mapped_into_and_out_of_hf_on_the_device(device, tmp_path):
+    """A Megatron DeepSeek-V3 layout (per layer: multi-latent attention, the first layer dense, experts, shared
+    experts, the router's expert bias; DistributedOptimizer state; built by hand as tests/test_mapping_deepseek
+    does) into a DeepseekV3ForCausalLM and AdamW on the device: every weight, the expert-bias buffer and every
+    Adam moment equal the source's, the step is 2, the logits equal the source model's within fp32 rounding;
+    and the device model's own bcp checkpoint maps back into Megatron's names, equal to the layout."""
+    pytest.importorskip("transformers")
+    import test_mapping_deepseek as ds
+    src = ds.ds_model(ds.ds_config())
+    opt = ds.trained(src)
+    ds.megatron_checkpoint(tmp_path / "mg", src, opt)
+    dst = ds.ds_model(ds.ds_config(), seed=1).to(device)
+    dst_opt = torch.optim.AdamW(dst.parameters(), lr=1e-2)
+    bcp.load(str(tmp_path / "mg"), {"model": dst, "optimizer": dst_opt},
+             mapping=bcp.mapping.megatron_to_hf(dst.config))
+    assert _devices(dst, dst_opt) == {device}
+    want, got = _state_tensors(src, opt), _state_tensors(dst, dst_opt)
+    assert not _differ(want, got), _differ(want, got)[:5]
+    assert {float(s["step"]) for s in dst_opt.state.values()} == {2.0}
+    ids = torch.randint(0, ds.VOCAB, (2, 10), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref, out = src(input_ids=ids).logits, dst(input_ids=ids.to(device)).logits.cpu()
+    assert float((out - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+    bcp.save(str(tmp_path / "hf"), {"model": dst, "optimizer": dst_opt}).wait()
+    layout = ds.megatron_ds_layout({k: v.detach() for k, v in src.state_dict().items()}, ds.LAYERS)
+    back = {k: torch.zeros_like(v) for k, v in layout.items()}
+    bcp.load(str(tmp_path / "hf"), back, mapping=bcp.mapping.hf_to_megatron(dst.config, padded_vocab_size=ds.PADDED))
+    for k, v in layout.items():
+        n = ds.VOCAB if k.endswith(("word_embeddings.weight", "output_layer.weight")) else None
+        assert torch.equal(back[k][:n], v[:n]), k
+
+
 # ----------------------------------------------------------------------------- the GPU bench and its script
 
 @pytest.mark.slow  # 10-15 s; the GPU check runs the bench itself

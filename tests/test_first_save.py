@@ -24,7 +24,8 @@ from dist import run_ranks
 
 
 def _job(rank, world_size, root):
-    from bcp_core import checkpointer, save_snapshot
+    from bcp_core import checkpointer
+    from bcp_core.storage.faults import Fault, inject
 
     torch.manual_seed(0)  # the same model on both ranks: every box is replicated
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))
@@ -34,12 +35,10 @@ def _job(rank, world_size, root):
     expected = {k: v.clone() for k, v in model.state_dict().items()}
 
     gate = threading.Event()
-    real_write = save_snapshot._write
 
-    def gated_write(*args, **kwargs):
+    def gated(call):
         assert gate.wait(60), "the test never opened the gate"
-        return real_write(*args, **kwargs)
-    save_snapshot._write = gated_write
+    held = inject(Fault("open_writer", hook=gated, path="*/data/*"))  # the data files wait for the gate
     try:
         handle = bcp.save(root, state, step=1, async_save=True, role="first")
         job = checkpointer.get_checkpointer("first").queue.pending[-1].progress
@@ -52,7 +51,7 @@ def _job(rank, world_size, root):
         gate.set()
         handle.wait()
     finally:
-        save_snapshot._write = real_write
+        held.remove()
     first = job.snapshot.lazy.copied_bytes
 
     cp = checkpointer.get_checkpointer("first")

@@ -30,7 +30,7 @@ LOCAL = ["--non-persistent-ckpt-type", "local", "--non-persistent-save-interval"
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_local_checkpoints_resume_after_a_lost_node(uninterrupted, tmp_path, monkeypatch):
+def test_local_checkpoints_resume_after_a_lost_node(uninterrupted, tmp_path, monkeypatch):  # noqa: F811
     reason = megatron_releases.skip_reason(RELEASE, need_tree=True)
     if reason:
         pytest.skip(reason)

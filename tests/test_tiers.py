@@ -255,7 +255,8 @@ def test_one_process_memory_and_durable_without_replicas(tmp_path, monkeypatch):
     bcp.checkpointer.get_checkpointer()._tiers.drains.queue.wait_all(60)
     target = {"w": torch.zeros(6), "step": 0}
     result = bcp.load(tiers, target)
-    assert (result.step, result.tier, target["step"]) == (4, "memory", 4) and torch.equal(target["w"], torch.arange(6.0) * 2)
+    assert (result.step, result.tier, target["step"]) == (4, "memory", 4)
+    assert torch.equal(target["w"], torch.arange(6.0) * 2)
     assert bcp.resolve(str(tmp_path / "durable")).root.endswith("step_00000004")
     with pytest.raises(bcp.SaveError, match="replicas=1 needs at least 2 nodes"):
         bcp.save(bcp.Tiers("memory://solo"), state, step=5)

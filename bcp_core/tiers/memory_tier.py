@@ -64,7 +64,7 @@ class TierRuntime:
                     for name, error in layout.remove_leftovers(root, committed).failed:
                         log.warning("bcp: could not remove %s, left by a failed save under %s: %s", name, root.root,
                                     error)
-                for name, error in layout.prune(root, keep, keep_names=self.pinned | set(pinned)).failed:
+                for name, error in layout.prune(root, keep, keep=self.pinned | set(pinned)).failed:
                     log.warning("bcp: could not remove %s from %s: %s", name, root.root, error)
             except Exception as e:  # noqa: BLE001 - see above
                 log.warning("bcp: keeping the newest %d steps in %s failed: %s", keep, root.root, e)

@@ -66,7 +66,8 @@ class Peer:
     """Messages with one other rank of the group, under one tag, within one deadline."""
 
     def __init__(self, group, me: int, peer: int, tag: int, deadline: float, op: str):
-        self.group, self.me, self.peer, self.tag, self.deadline, self.op = group, me, peer, tag % TAG_SPACE, deadline, op
+        self.group, self.me, self.peer, self.op = group, me, peer, op
+        self.tag, self.deadline = tag % TAG_SPACE, deadline
 
     def _wait(self, work, buf: torch.Tensor, what: str) -> None:
         left = max(self.deadline - time.monotonic(), 0.001)  # a zero timeout would mean none at all

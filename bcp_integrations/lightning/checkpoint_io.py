@@ -18,7 +18,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import CheckpointIO
-from lightning.pytorch.strategies import (DDPStrategy, FSDPStrategy, ModelParallelStrategy,
+from lightning.pytorch.strategies import (DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy,
                                           SingleDeviceStrategy, Strategy)
 from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose
 from lightning.pytorch.trainer.states import TrainerFn
@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 import bcp_core as bcp
 from bcp_core import codec, metrics
 from bcp_core.dataloader import loadable_loader_state, saved_loader_state
+from bcp_core.integration import companions
 from bcp_core.layout import remove_checkpoint, remove_superseded
 from bcp_core.metadata import parse_json
 from bcp_core.rng import rng_state, set_rng_state
@@ -37,7 +38,7 @@ log = logging.getLogger("bcp")
 # Keys of Lightning's checkpoint dict that bcp replaces with the live model and optimizers.
 _TENSOR_KEYS = ("state_dict", "optimizer_states")
 # Strategies whose `model` / `optimizers` bcp knows how to read on every rank.
-SUPPORTED_STRATEGIES = (DDPStrategy, ModelParallelStrategy, FSDPStrategy, SingleDeviceStrategy)
+SUPPORTED_STRATEGIES = (DDPStrategy, ModelParallelStrategy, FSDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy)
 
 
 class BCPCheckpointIO(CheckpointIO):
@@ -157,6 +158,7 @@ class BCPCheckpointIO(CheckpointIO):
         if "optimizer_states" in checkpoint:  # absent for save_weights_only
             for i, opt in enumerate(strategy.optimizers):
                 state[f"optimizer_{i}"] = opt
+            state.update(companions([strategy.model], state))  # a DeepSpeed engine's counters
         rest = {k: v for k, v in checkpoint.items() if k not in _TENSOR_KEYS}
         rest = _move_loader_states(strategy, rest, state)
         try:
@@ -216,6 +218,8 @@ class BCPCheckpointIO(CheckpointIO):
         if has_optimizers:
             for i, opt in enumerate(strategy.optimizers):
                 state[f"optimizer_{i}"] = opt
+            state.update({k: v for k, v in companions([strategy.model], state).items()
+                          if any(key.startswith(k + ".") for key in keys)})
         if "extra_state.rng.torch" in keys:
             state["extra_state"] = {}
         for name in {k.split(".", 1)[0] for k in keys if _LOADER_KEY.match(k.split(".", 1)[0])}:

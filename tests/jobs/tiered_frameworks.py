@@ -98,7 +98,7 @@ def accelerate(args, tiers) -> None:
     batches = iter(loader)
     for _ in range(start):  # the data already seen
         next(batches)
-    for step in range(start + 1, args.steps + (2 if args.resume else 0) + 1):
+    for _ in range(start + 1, args.steps + (2 if args.resume else 0) + 1):
         bx, by = next(batches)
         with acc.accumulate(model):
             loss = nn.functional.mse_loss(model(bx), by)

@@ -288,7 +288,7 @@ _DIE = """
 import os, signal, sys
 import torch
 import bcp_core as bcp
-from bcp_core.storage import local
+from bcp_core.storage.faults import Fault, inject
 
 root, point, step = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
@@ -303,7 +303,7 @@ if point == "tracker":  # after the commit, between writing the tracker's tempor
         return real_replace(src, dst, **kwargs)
     os.replace = replace
 else:  # while writing a data file
-    local._LocalWriter.write = die
+    inject(Fault("write", hook=die))
 bcp.save(root, {"w": torch.full((16,), float(step)), "b": torch.arange(4.0) + step}, step=step, async_save=False)
 """
 
@@ -357,21 +357,17 @@ def test_next_save_removes_leftovers_of_failed_saves(tmp_path):
     assert _loaded(root / "step_00000002") == 2.0
 
 
-def test_own_failed_save_goes_at_the_next_commit_another_jobs_save_in_progress_stays(tmp_path, monkeypatch):
+def test_own_failed_save_goes_at_the_next_commit_another_jobs_save_in_progress_stays(tmp_path):
     """A failed save leaves its directory marked failed (bcp_failed.json, naming the save and the
     error): the next commit removes it. A directory of an older step that another job is writing right
     now (fresh, no temporary file of a dead writer, no mark) stays: removing it would fail that job's
     save."""
-    from bcp_core.storage import local
+    from bcp_core.storage.faults import Fault, inject
     root = tmp_path / "root"
     _save(root, 1)
-    def failing(self, relpath):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(local.LocalStorage, "open_writer", failing)
-    with pytest.raises(bcp.SaveError, match="No space left"):
-        _save(root, 3)
-    monkeypatch.undo()
+    with inject(Fault("open_writer", error=OSError(28, "No space left on device"))):
+        with pytest.raises(bcp.SaveError, match="No space left"):
+            _save(root, 3)
     assert not (root / "step_00000003" / "bcp_metadata.json").exists()
     mark = json.loads((root / "step_00000003" / "bcp_failed.json").read_text())
     assert "step 3" in mark["save"] and "No space left" in mark["error"], mark
