@@ -105,16 +105,10 @@ def _arm(spec: str, node: int) -> None:
         return
     step = int(step)
     KILL[phase] = step
-    from bcp_core import save_snapshot
+    from bcp_core.storage.faults import Fault, inject
     from bcp_core.tiers import drain, memory_tier, transport
-    if phase == "write":
-        write = save_snapshot.write_items
-
-        def write_items(storage, *a, **k):
-            if storage.root.endswith(bcp.layout.BCP_STEPS.name(step)):
-                _die()
-            return write(storage, *a, **k)
-        save_snapshot.write_items = write_items
+    if phase == "write":  # the node dies as it starts writing the step's data files into its memory
+        inject(Fault("open_writer", hook=lambda call: _die(), path=f"*/{bcp.layout.BCP_STEPS.name(step)}/*"))
     elif phase == "replicate":
         replicate, recv_blob = memory_tier.TierSave.replicate, transport.Peer.recv_blob
         current = {}
