@@ -17,6 +17,7 @@ from .comm import DEFAULT_TIMEOUT
 from .loader import LoadResult, load_checkpoint, read_metadata
 from .metadata import CheckpointMetadata
 from .storage import Storage
+from .utils import load_threads
 
 
 # ----------------------------------------------------------------------------- save
@@ -113,8 +114,9 @@ def load(path: str | os.PathLike, state: dict, framework: str = "auto", strict: 
     is verified by one rank only. Default (None): on for remote storage, multi-node jobs and states
     holding DTensors laid out over the whole group; otherwise off, so that a subset of the ranks
     may load plain tensors on its own. A collective load reads the metadata once per node and fails
-    on every rank, naming the rank, if any rank fails. `num_threads`: files read at once (default
-    4). Every wait (exchanges, transfers) is bounded by `timeout`.
+    on every rank, naming the rank, if any rank fails. `num_threads`: threads reading, verifying and
+    copying (default: this rank's share of the host's cores, 4 to 16). Every wait (exchanges,
+    transfers) is bounded by `timeout`.
 
     `mapping`: load a checkpoint of another model family or framework (a `bcp_core.mapping.Mapping`,
     e.g. `bcp.mapping.megatron_to_hf(hf_model.config)`), or "auto" to pick the declared mapping from
@@ -123,8 +125,8 @@ def load(path: str | os.PathLike, state: dict, framework: str = "auto", strict: 
     optimizer state and the step counter follow their parameters (docs/mapping.md).
     """
     return load_checkpoint(path, state, framework, strict, process_group=process_group, allow_pickle=allow_pickle,
-                           verify_checksums=verify_checksums, num_threads=num_threads or 4, share_reads=share_reads,
-                           timeout=timeout, mapping=mapping)
+                           verify_checksums=verify_checksums, num_threads=num_threads or load_threads(),
+                           share_reads=share_reads, timeout=timeout, mapping=mapping)
 
 
 def resolve(path: str | os.PathLike) -> Storage:

@@ -731,7 +731,7 @@ def test_direct_write_failing_in_flight_fails_the_file(tmp_path, small_io, monke
         w.abort()  # what the engine does on any error; a second abort is harmless
         left = [f.name for f in tmp_path.iterdir() if f.name != ".probe"]
         assert not left, left
-        assert w.inflight is None and w.buf is None and w.pool is None
+        assert w.inflight == [] and w.buf is None and w.pool is None
     assert len(local._ALIGNED._free) <= local._AlignedBuffers.KEEP
 
 

@@ -55,6 +55,8 @@ ALIGN = 4096
 # What a direct-I/O write call should bring (FileWriter.write_bytes): the engine hashes that much,
 # then hands it over, so the copy into the aligned buffer reads bytes still in the core's cache.
 DIRECT_WRITE_BYTES = 1 << 20
+# Aligned buffers a direct-I/O writer has in flight at once, each on an I/O thread of its own.
+IN_FLIGHT = int(os.environ.get("BCP_IN_FLIGHT", "1"))
 
 
 def _address(data: memoryview) -> int:
@@ -93,8 +95,8 @@ class _AlignedBuffers:
     them took 0.02-0.04 s of CPU per GiB with 2 MiB buffers against 0.13-0.15 s with 16 MiB ones, and
     a file was written sooner (bench/io_cpu.py, the development VM)."""
 
-    BYTES = 2 << 20
-    KEEP = 4
+    BYTES = int(os.environ.get("BCP_ALIGNED_KIB", "2048")) << 10
+    KEEP = 4 * (IN_FLIGHT + 1)
 
     def __init__(self):
         self._free: list[mmap.mmap] = []
@@ -177,11 +179,11 @@ class _LocalWriter(FileWriter):
         self.write_bytes = DIRECT_WRITE_BYTES if self.direct else None
         self.align = ALIGN if self.direct else 0
         self.pos = 0  # bytes taken so far
-        # direct I/O: the buffer being filled (bytes [pos - fill, pos) of the file), and the previous
-        # one while its write is in flight: (future, buffer, file offset, bytes)
+        # direct I/O: the buffer being filled (bytes [pos - fill, pos) of the file), and the full ones
+        # whose writes are in flight, oldest first: (future, buffer, file offset, bytes)
         self.buf: mmap.mmap | None = None
         self.fill = 0
-        self.inflight: tuple[Future, mmap.mmap, int, int] | None = None
+        self.inflight: list[tuple[Future, mmap.mmap, int, int]] = []
         self.pool: ThreadPoolExecutor | None = None
 
     def write(self, data: memoryview) -> None:
@@ -256,23 +258,27 @@ class _LocalWriter(FileWriter):
         return data
 
     def _submit(self) -> None:
-        """Hand the buffer being filled (it ends at an aligned offset) to the I/O thread, once the
-        one in flight is written."""
-        self._wait_inflight()
+        """Hand the buffer being filled (it ends at an aligned offset) to the I/O threads, once
+        fewer than `IN_FLIGHT` writes are in flight."""
+        if len(self.inflight) >= IN_FLIGHT:
+            self._wait_oldest()
         if self.pool is None:
-            self.pool = ThreadPoolExecutor(1, thread_name_prefix="bcp-io")
+            self.pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="bcp-io")
         buf, at, n = self.buf, self.pos - self.fill, self.fill
         self.buf, self.fill = None, 0
-        self.inflight = (self.pool.submit(_pwrite_all, self.fd, memoryview(buf)[:n], at), buf, at, n)
+        self.inflight.append((self.pool.submit(_pwrite_all, self.fd, memoryview(buf)[:n], at), buf, at, n))
+
+    def _wait_oldest(self) -> None:
+        """Wait for the oldest write in flight; its buffer goes back to the pool once written."""
+        future, buf, _, _ = self.inflight[0]
+        future.result()  # raises its OSError, the buffer still held
+        self.inflight.pop(0)
+        _ALIGNED.put(buf)
 
     def _wait_inflight(self) -> None:
-        """Wait for the buffer in flight; it goes back to the pool once written."""
-        if self.inflight is None:
-            return
-        future, buf, _, _ = self.inflight
-        future.result()  # raises its OSError, the buffer still held
-        self.inflight = None
-        _ALIGNED.put(buf)
+        """Wait for every write in flight."""
+        while self.inflight:
+            self._wait_oldest()
 
     def _stop_direct(self) -> None:
         """Go on buffered: rewrite through the page cache what direct I/O has not written."""
@@ -281,11 +287,10 @@ class _LocalWriter(FileWriter):
         fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
         self.direct = False
         pending = []
-        if self.inflight is not None:
-            future, buf, at, n = self.inflight
-            self.inflight = None
+        for future, buf, at, n in self.inflight:
             future.exception()  # ended (it failed, or a later write failed)
             pending.append((buf, at, n))
+        self.inflight = []
         if self.buf is not None:
             pending.append((self.buf, self.pos - self.fill, self.fill))
             self.buf, self.fill = None, 0
@@ -344,9 +349,8 @@ class _LocalWriter(FileWriter):
 
     def _end_io(self) -> None:
         """The I/O thread ended (its write waited for, whatever its outcome), the buffers given back."""
-        if self.inflight is not None:
-            future, buf, _, _ = self.inflight
-            self.inflight = None
+        inflight, self.inflight = self.inflight, []
+        for future, buf, _, _ in inflight:
             future.exception()
             _ALIGNED.put(buf)
         if self.buf is not None:
