@@ -50,6 +50,13 @@ def save(path: str | os.PathLike, state: dict, framework: str = "auto", async_sa
       in the background for the next save. Pages training modifies before the child is done are
       copied by the kernel then (README, "Speed").
 
+    The first asynchronous save of a structure plans it (a collective round) and allocates its
+    staging buffers (pinned, for CUDA state) in its call: on one H100, 0.6 s for 4 GiB, a first
+    checkpoint step of 7 normal steps. Call `prepare_save(state)` once the state has its final
+    structure (after the first optimizer step) to do both in the background beforehand; the
+    integrations (HF callback, Lightning's `BCPCheckpointIO`, Accelerate's `register`) call it
+    themselves after the first optimizer step.
+
     `handle.wait()` blocks until the checkpoint is durable and committed. A save that fails on any
     rank is committed by none and raises on every rank, naming the failing rank: from `wait()`,
     and if no `wait()` raised it, from the next `save` of the same `role` (`PreviousSaveError`,
