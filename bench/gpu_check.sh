@@ -17,8 +17,8 @@ set -uo pipefail
 WHEELS="megatron-core==0.16.1 tenacity==9.2.1"  # what bcp's tests need that the GPU machine's image lacks
 TOTAL_S=${BCP_GPU_CHECK_S:-480}   # everything, from the install to the summary
 TESTS_S=${BCP_GPU_TESTS_S:-210}   # the tests at most (0: no tests)
-INTEGRATIONS_S=${BCP_GPU_INTEGRATIONS_S:-110}  # the integrations' bench at most (0: none); bench/gpu.py gets the rest
-BENCH_GIB=${BCP_GPU_GIB:-1,4}     # state sizes of bench/gpu.py, smallest first (BCP_GPU_SYSTEMS: its systems, bcp,dcp)
+INTEGRATIONS_S=${BCP_GPU_INTEGRATIONS_S:-100}  # the integrations' bench at most (0: none); bench/gpu.py gets the rest
+BENCH_GIB=${BCP_GPU_GIB:-4}       # state sizes of bench/gpu.py, smallest first (BCP_GPU_SYSTEMS: its systems, bcp,dcp)
 TEST_FILES="tests/test_cuda.py tests/test_device_integrations.py"
 
 if [ "${1:-}" = --print-wheels ]; then
@@ -53,7 +53,7 @@ if [ "$mode" = gpu ]; then
     export BCP_REQUIRE_CUDA=1
     tests="cuda"  # the CPU twins ran where the suite runs
     bench_args="--device cuda --gib $BENCH_GIB --systems ${BCP_GPU_SYSTEMS:-bcp,dcp}"
-    integrations_args="--device cuda --gib ${BCP_GPU_INTEGRATIONS_GIB:-2}"
+    integrations_args="--device cuda --gib ${BCP_GPU_INTEGRATIONS_GIB:-2} --runs ${BCP_GPU_INTEGRATIONS:-hf,accelerate,lightning}"
 else
     py=${PYTHON:-$repo/.venv/bin/python}
     [ -x "$py" ] || py=python3
@@ -106,7 +106,7 @@ integrations_rc=0
 if [ "$INTEGRATIONS_S" -gt 0 ]; then
     # shellcheck disable=SC2086
     timeout -k 10 "$INTEGRATIONS_S" $py bench/gpu_integrations.py $integrations_args \
-        --timeout-s $((INTEGRATIONS_S / 3)) --json "$out/bench_integrations.json" >"$out/bench_integrations.txt" 2>&1
+        --timeout-s $((INTEGRATIONS_S * 2 / 5)) --json "$out/bench_integrations.json" >"$out/bench_integrations.txt" 2>&1
     integrations_rc=$?
     note "integrations bench (status $integrations_rc, ${INTEGRATIONS_S}s allowed)"
     $py - "$out/bench_integrations.json" 2>&1 <<'EOF' | tee -a "$out/summary.txt"

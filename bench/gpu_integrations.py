@@ -283,6 +283,9 @@ def main() -> int:
                 table["runs"][name] = {"error": f"did not end within {args.timeout_s:.0f} s"}
             finally:
                 os.remove(out)
+            if args.json:  # the runs so far: a bench stopped at its time limit keeps them
+                with open(args.json, "w") as f:
+                    json.dump(table | {"incomplete": f"ended after {name}"}, f, indent=2)
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
