@@ -7,9 +7,7 @@ caller's state reads every byte range and verifies it before anything goes into 
 
 from __future__ import annotations
 
-import contextlib
 import math
-import mmap
 import threading
 import time
 import warnings
@@ -247,19 +245,6 @@ class FileMaps:
             warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": only ever read from
             return torch.frombuffer(mapped[offset:offset + nbytes], dtype=torch.uint8)
 
-    def will_need(self, file: str, offset: int, nbytes: int) -> None:
-        """Ask the kernel to read bytes [offset, offset + nbytes) of `file` into the page cache now
-        (MADV_WILLNEED), before they are first touched: a span read through the map's page faults
-        comes from the disk in readahead windows of ~128 KiB, one at a time per thread; asked for
-        whole, it is read in large requests, many in flight. Pages already cached cost a lookup
-        (~4 ms per GiB here)."""
-        mapped = self.get(file)
-        m = getattr(mapped, "obj", None)
-        if not isinstance(m, mmap.mmap) or not hasattr(m, "madvise") or nbytes <= 0:
-            return
-        start = offset // mmap.PAGESIZE * mmap.PAGESIZE
-        with contextlib.suppress(OSError, ValueError):  # advice only: the read reports real problems
-            m.madvise(mmap.MADV_WILLNEED, start, min(offset + nbytes, len(m)) - start)
 
 @metrics.timed("read", nbytes=lambda buf, *_, **__: buf.numel())
 def read_span(storage: Storage, files: tuple[str, ...], item: ReadItem, lo: int, hi: int,
@@ -269,7 +254,6 @@ def read_span(storage: Storage, files: tuple[str, ...], item: ReadItem, lo: int,
     p = item.piece
     mapped = maps.view(files[p.file], p.byte_offset + lo, hi - lo) if maps is not None else None
     if mapped is not None:
-        maps.will_need(files[p.file], p.byte_offset + lo, hi - lo)
         return mapped
     buf = out if out is not None else torch.empty(hi - lo, dtype=torch.uint8)
     try:
@@ -290,8 +274,6 @@ def read_item(storage: Storage, files: tuple[str, ...], block: int, item: ReadIt
     lo, hi = item_span(item, block, verify)
     dest = item.dest.detach()
     mapped = maps.view(files[p.file], p.byte_offset + lo, hi - lo) if maps is not None else None
-    if mapped is not None:
-        maps.will_need(files[p.file], p.byte_offset + lo, hi - lo)
     if mapped is None and (tuple(item.lengths) == tuple(p.lengths) and dest.is_contiguous()
                            and dest.device.type == "cpu" and (lo, hi) == (0, p.nbytes)):
         out = tensor_bytes(dest)  # zero-copy: read straight into the destination

@@ -55,8 +55,11 @@ ALIGN = 4096
 # What a direct-I/O write call should bring (FileWriter.write_bytes): the engine hashes that much,
 # then hands it over, so the copy into the aligned buffer reads bytes still in the core's cache.
 DIRECT_WRITE_BYTES = 1 << 20
-# Aligned buffers a direct-I/O writer has in flight at once, each on an I/O thread of its own.
-IN_FLIGHT = int(os.environ.get("BCP_IN_FLIGHT", "1"))
+# Aligned buffers a direct-I/O writer has in flight at once, each on an I/O thread of its own: a
+# few, so that the device always has the next request while the writer's thread hashes and copies
+# (on the development VM, under other processes' load, one in flight let the device idle whenever
+# that thread waited for a core; the raw device wrote alike at any depth).
+IN_FLIGHT = 4
 
 
 def _address(data: memoryview) -> int:
@@ -95,8 +98,8 @@ class _AlignedBuffers:
     them took 0.02-0.04 s of CPU per GiB with 2 MiB buffers against 0.13-0.15 s with 16 MiB ones, and
     a file was written sooner (bench/io_cpu.py, the development VM)."""
 
-    BYTES = int(os.environ.get("BCP_ALIGNED_KIB", "2048")) << 10
-    KEEP = 4 * (IN_FLIGHT + 1)
+    BYTES = 2 << 20
+    KEEP = 4 * (IN_FLIGHT + 1)  # the buffers of up to 4 writers (a rank's files written at once)
 
     def __init__(self):
         self._free: list[mmap.mmap] = []
@@ -145,9 +148,9 @@ class _LocalWriter(FileWriter):
     The bytes go to a new temporary file in the target's directory (`dir_fd`, owned by the writer
     from now on); `close` renames it into place, `abort` deletes it. Each descriptor is closed once.
 
-    Direct I/O: the bytes are copied into a page-aligned buffer (`_ALIGNED`); a full buffer is
-    written by a thread of the writer's own while the next one fills, so copying and the device
-    overlap and writes of any size cost one copy (`write_bytes`: the engine hands over 1 MiB at a
+    Direct I/O: the bytes are copied into a page-aligned buffer (`_ALIGNED`); full buffers are
+    written by threads of the writer's own (up to `IN_FLIGHT` at once) while the next one fills, so
+    copying and the device overlap and writes of any size cost one copy (`write_bytes`: the engine hands over 1 MiB at a
     time, just hashed). `write_in_place` of at least `IN_PLACE_BYTES` whose address agrees with the
     file position modulo `ALIGN` (the engine lays files out so) copies nothing: its aligned bulk
     goes to the device from the caller's memory before it returns, its ends through the buffers. The
