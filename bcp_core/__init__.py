@@ -13,7 +13,7 @@ The map of the package is docs/architecture.md.
 
 from . import mapping, rng
 from .api import inspect, load, mutating, prepare_save, resolve, save
-from .checkpointer import SaveHandle
+from .save_queue import SaveHandle
 from .errors import (BCPError, ChecksumError, CommitCallbackError, CommTimeoutError, FormatVersionError,
                      IncompleteCheckpointError, KeyMismatchError, MappingError, MetadataError, MissingExtraError,
                      NotACheckpointError,

@@ -12,9 +12,10 @@ from concurrent.futures import Future
 from datetime import timedelta
 
 from . import layout, staging
-from .checkpointer import SaveHandle, get_checkpointer
+from .checkpointer import get_checkpointer
 from .comm import DEFAULT_TIMEOUT
 from .loader import LoadResult, load_checkpoint, read_metadata
+from .save_queue import SaveHandle
 from .metadata import CheckpointMetadata
 from .storage import Storage
 from .utils import load_threads

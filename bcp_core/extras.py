@@ -25,6 +25,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "accelerate": ("accelerate",),
     "hf": ("transformers", "accelerate"),
     "megatron": ("megatron.core",),
+    "deepspeed": ("deepspeed",),
     "torchdata": ("torchdata",),
 }
 

@@ -65,11 +65,19 @@ class LoadTargets:
 class StateAdapter(Protocol):
     """What flattening asks of a framework adapter about the state's modules and optimizers."""
 
+    def is_optimizer(self, obj: Any) -> bool:
+        """Whether `obj` is an optimizer this adapter saves by parameter FQN (a torch optimizer, or a
+        framework's own, such as DeepSpeed's ZeRO optimizers)."""
+
     def module_state(self, module: nn.Module) -> dict[str, Any]:
         """FQN -> tensor-like aliasing the live storage (saved from; loaded into in place)."""
 
     def load_module_values(self, module: nn.Module, values: dict[str, Any]) -> None:
         """Hand loaded non-tensor entries of `module_state` (get_extra_state) back to the module."""
+
+    def after_module_load(self, module: nn.Module) -> None:
+        """Run once the module's tensors hold the loaded values (a framework's copies derived from
+        them: DeepSpeed's low-precision parameters from the fp32 master weights)."""
 
     def param_fqns(self, module: nn.Module) -> dict[int, str]:
         """id(param) -> FQN of every parameter an optimizer may hold (tied params: first name)."""
@@ -108,13 +116,13 @@ def storage_of(t: Any) -> int:
     return t.untyped_storage().data_ptr() if t.numel() else 0
 
 
-def _parameter_storages(state: dict) -> set[int]:
+def _parameter_storages(state: dict, adapter: StateAdapter) -> set[int]:
     """Storages of the parameters of the state's modules and optimizers (lazily snapshot, see
     bcp_core.staging): an optimizer step is the only training code that writes them in place."""
     out: set[int] = set()
     for v in state.values():
         params = v.parameters() if isinstance(v, nn.Module) else \
-            (p for g in v.param_groups for p in g["params"]) if isinstance(v, torch.optim.Optimizer) else ()
+            (p for g in v.param_groups for p in g["params"]) if adapter.is_optimizer(v) else ()
         out.update(storage_of(p) for p in params)
     out.discard(0)
     return out
@@ -124,7 +132,7 @@ def save_leaves(state: dict, adapter: StateAdapter) -> list[SaveLeaf]:
     if not isinstance(state, dict):
         raise UnsupportedValueError(f"state must be a dict, got {type(state).__name__}")
     fqn_of = _fqn_map(adapter, state)
-    params = _parameter_storages(state)
+    params = _parameter_storages(state, adapter)
     leaves: list[SaveLeaf] = []
 
     def add_dict(prefix: str, d: dict, per_rank: bool, in_optimizer: bool = False) -> None:
@@ -137,7 +145,7 @@ def save_leaves(state: dict, adapter: StateAdapter) -> list[SaveLeaf]:
     def add(fqn: str, v: Any, per_rank: bool, in_optimizer: bool = False) -> None:
         if isinstance(v, nn.Module):
             add_dict(fqn, adapter.module_state(v), per_rank)
-        elif isinstance(v, torch.optim.Optimizer):
+        elif adapter.is_optimizer(v):
             add_dict(fqn, adapter.optimizer_state(v, fqn, fqn_of), per_rank, in_optimizer=True)
         elif isinstance(v, dict):
             add_dict(fqn, v, per_rank, in_optimizer)
@@ -184,7 +192,8 @@ def load_targets(state: dict, md: CheckpointMetadata, adapter: StateAdapter) -> 
                 keys = list(non_tensor)
                 out.finishers.append(lambda m=v, sd=sd, keys=keys: adapter.load_module_values(
                     m, {k: sd[k] for k in keys}))
-        elif isinstance(v, torch.optim.Optimizer):
+            out.finishers.append(lambda m=v: adapter.after_module_load(m))
+        elif adapter.is_optimizer(v):
             out.structured.append(fqn)
             adapter.optimizer_targets(v, fqn, fqn_of, md, out)
         elif isinstance(v, dict):

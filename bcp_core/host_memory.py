@@ -133,7 +133,7 @@ def host_buffer(src: torch.Tensor) -> torch.Tensor:
 
     A large copy of a host tensor starts at the same offset within a page as `src`: a save writes
     either (the live source or the copy) and lays its files out for direct writes from the
-    caller's memory (engine._layout), which need the address and file offset to agree in a page."""
+    caller's memory (engine.write._arrange), which need the address and file offset to agree in a page."""
     if src.device.type == "cuda" and torch.cuda.is_available():
         return pinned_empty(tuple(src.shape), src.dtype, src.device)
     nbytes = src.numel() * src.element_size()

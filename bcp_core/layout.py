@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import logging
 import os
+import posixpath
 import re
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .errors import BCPError, IncompleteCheckpointError, NotACheckpointError
+from .foreign import open_foreign
 from .metadata import FAILED_FILE, METADATA_FILE, TRACKER_FILE, parse_json, read_capped, read_prefix
 from .storage import Storage, storage_for
 from .storage.base import REMOTE_THREADS, parse_temp_name, temp_writer_gone, this_host
@@ -102,10 +105,15 @@ def list_checkpoints(root: str | os.PathLike | Storage, naming: StepNaming = BCP
 
 def resolve(path: str | os.PathLike, naming: StepNaming = BCP_STEPS) -> Storage:
     """The storage of the checkpoint at `path`: the directory itself or, for a root, the checkpoint
-    its tracker names, else its newest complete one. Raises naming what is there instead."""
+    its tracker names, else its newest complete one; or a checkpoint of another system that bcp reads
+    as it is (`bcp_core.foreign`: DeepSpeed's `global_stepN/` or its parent). Raises naming what is
+    there instead."""
     st = storage_for(path)
     if st.exists(METADATA_FILE):
         return st
+    foreign = open_foreign(st)
+    if foreign is not None:
+        return foreign
     name = read_tracker(st)
     if name is not None:
         if naming.step_of(name) is not None and st.exists(f"{name}/{METADATA_FILE}"):
@@ -183,9 +191,10 @@ class Removal:
 
 
 def prune(root: str | os.PathLike | Storage, keep_last: int, keep_every: int | None = None,
-          naming: StepNaming = BCP_STEPS, dry_run: bool = False) -> Removal:
+          naming: StepNaming = BCP_STEPS, dry_run: bool = False, keep: Iterable[str] = ()) -> Removal:
     """Remove complete checkpoints except the newest `keep_last`, those whose step is a multiple of
-    `keep_every`, the one the tracker names and the one `load(root)` uses; and incomplete ones older
+    `keep_every`, those named in `keep` (step directory names or paths), the one the tracker names
+    and the one `load(root)` uses; and incomplete ones older
     than the latest that no save is writing any more (`_abandoned`: failed saves; newer ones, and
     older ones still being written, may be saves in progress). Works on every storage.
 
@@ -201,7 +210,8 @@ def prune(root: str | os.PathLike | Storage, keep_last: int, keep_every: int | N
     entries = [e for e in list_checkpoints(st, naming) if e.name]
     complete = [e for e in entries if e.complete]
     latest = next((e for e in entries if e.latest), None)
-    keep = {e.name for e in complete[-keep_last:]} | {e.name for e in entries if e.tracker or e.latest}
+    protected = {posixpath.basename(os.fspath(k).rstrip("/")) for k in keep}
+    keep = {e.name for e in complete[-keep_last:]} | {e.name for e in entries if e.tracker or e.latest} | protected
     if keep_every:
         keep |= {e.name for e in complete if e.step % keep_every == 0}
     now = time.time()
@@ -240,6 +250,38 @@ def remove_leftovers(root: str | os.PathLike | Storage, committed: str, naming: 
                 temps.append(rel)
     removed, failed = _remove_each(st, [(name, False) for name in failed_saves + temps])
     return Removal(removed, tuple(e.name for e in entries if e.name not in failed_saves), failed)
+
+
+def remove_superseded(root: str | os.PathLike | Storage, committed: str, naming: StepNaming = BCP_STEPS) -> Removal:
+    """After `committed` (a step directory's name) was committed under `root`, for a root that holds
+    one checkpoint at a time (a framework's checkpoint path saved to again, Lightning's
+    `last.ckpt`): remove what it replaces. That is every older step directory, complete or not, and
+    whatever else the root holds but its tracker, such as the files of a checkpoint written into the
+    root itself by bcp before step directories (their metadata first, so that the tracker takes over
+    at once). Newer step directories (the next save to the root, begun on other ranks) stay."""
+    step = naming.step_of(committed)
+    if step is None:
+        raise ValueError(f"{committed!r} is not a step directory name ({naming.template})")
+    st = _storage(root)
+    names = st.listdir()
+
+    def older(name: str) -> bool:
+        own = naming.step_of(name)
+        return name != TRACKER_FILE and (own is None or own < step)
+    doomed = sorted(filter(older, names), key=lambda name: name != METADATA_FILE)
+    removed, failed = _remove_each(st, [(name, naming.step_of(name) is not None) for name in doomed])
+    return Removal(removed, tuple(name for name in names if name not in doomed), failed)
+
+
+def remove_checkpoint(path: str | os.PathLike) -> None:
+    """Remove whatever is at `path`, whole: a checkpoint, a root of checkpoints, or a file; missing is
+    no error. A root's tracker and a checkpoint's metadata go first, so that an interrupted removal
+    leaves nothing that looks complete in their place."""
+    st = storage_for(path)
+    for name in (TRACKER_FILE, METADATA_FILE):
+        if st.exists(name):
+            st.remove(name)
+    st.remove("")
 
 
 def _abandoned(st: Storage, name: str, now: float) -> bool:

@@ -31,6 +31,7 @@ from .adapters import resolve_framework
 from .comm import DEFAULT_TIMEOUT, Comm, comm_for
 from .engine import ShardReader, VerifiedReads
 from .errors import KeyMismatchError
+from .foreign import open_resolved
 from .flatten import LoadTargets, load_targets
 from .layout import resolve
 from .load_planner import plan_load, set_target
@@ -70,6 +71,7 @@ class ResolvedCheckpoint:
     """The checkpoint a collective load reads, as the group's rank 0 resolved the path."""
 
     root: str
+    format: str = ""  # a foreign checkpoint's format (bcp_core.foreign), "" for bcp's own
 
 
 @metrics.recorded("load", rank=lambda *_, process_group=None, **__: this_rank(process_group))
@@ -79,8 +81,8 @@ def load_checkpoint(path: str | os.PathLike, state: dict, framework: str = "auto
                     timeout: timedelta = DEFAULT_TIMEOUT, mapping: Any = None) -> LoadResult:
     """`bcp_core.load` (see there)."""
     adapter = resolve_framework(state, framework)
-    shared = group_size(process_group) > 1 and (
-        share_reads if share_reads is not None else worth_sharing(storage_for(path), process_group, state))
+    shared = group_size(process_group) > 1 and (share_reads if share_reads is not None else (
+        adapter.loads_together or worth_sharing(storage_for(path), process_group, state)))
     if not shared:
         st = resolve(path)
         md = read_metadata(st)
@@ -176,17 +178,18 @@ def _commit(reads: VerifiedReads, plan: LoadPlan, targets: LoadTargets, values: 
 
 def _resolve_for_all(path: str | os.PathLike, comm: Comm, op: str, timeout: timedelta) -> Storage:
     """The checkpoint a collective load reads, resolved once by the group's rank 0 (module doc)."""
-    own, message = None, None
+    own, message, st = None, None, None
     if comm.is_coordinator:
         try:
-            message = ResolvedCheckpoint(resolve(path).root)
+            st = resolve(path)
+            message = ResolvedCheckpoint(st.root, getattr(getattr(st, "format", None), "name", ""))
         except Exception as e:  # noqa: BLE001 - every rank raises it
             own, message = e, LoadFailure.of(comm.rank, e)
         message = codec.to_wire(message)
     received = codec.from_wire(comm.broadcast(message, f"{op}/checkpoint", timeout), (ResolvedCheckpoint, LoadFailure))
     if isinstance(received, LoadFailure):
         raise_failures([received], own)
-    return storage_for(received.root)
+    return st if comm.is_coordinator else open_resolved(storage_for(received.root), received.format)
 
 
 _LOADS: dict[int, int] = {}  # collective loads so far, per Comm

@@ -279,6 +279,9 @@ def recorded(op: str, rank: Callable[..., int]):
     return wrap
 
 
+SCALAR_PREFIX = "bcp/"  # the names `scalars` gives begin with it
+
+
 def scalars(records: list[dict]) -> dict[str, float]:
     """Flat numbers for a training logger from one rank's records: `bcp/<op>/<phase>_s` (busy
     seconds), `bcp/<op>/<phase>_bytes` where bytes moved, and `bcp/<op>/total_s`."""
@@ -286,10 +289,10 @@ def scalars(records: list[dict]) -> dict[str, float]:
     for op in sorted({r["op"] for r in records}):
         mine = [r for r in records if r["op"] == op]
         for r in mine:
-            out[f"bcp/{op}/{r['phase']}_s"] = r["busy"]
+            out[f"{SCALAR_PREFIX}{op}/{r['phase']}_s"] = r["busy"]
             if r["bytes"]:
-                out[f"bcp/{op}/{r['phase']}_bytes"] = float(r["bytes"])
-        out[f"bcp/{op}/total_s"] = max(r["end"] for r in mine) - min(r["start"] for r in mine)
+                out[f"{SCALAR_PREFIX}{op}/{r['phase']}_bytes"] = float(r["bytes"])
+        out[f"{SCALAR_PREFIX}{op}/total_s"] = max(r["end"] for r in mine) - min(r["start"] for r in mine)
     return out
 
 

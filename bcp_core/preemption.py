@@ -30,7 +30,7 @@ import threading
 from datetime import timedelta
 from typing import NoReturn
 
-from .checkpointer import finish_pending_saves
+from .save_queue import finish_pending_saves
 from .comm import DEFAULT_TIMEOUT, Comm, comm_for
 from .errors import BCPError
 

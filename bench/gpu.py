@@ -324,7 +324,7 @@ class Bcp:
         """The staging pool's pinned buffers and the chunks kept for synchronous transfers."""
         from bcp_core import host_memory
         from bcp_core.checkpointer import get_checkpointer
-        pool = get_checkpointer(self.role)._pool
+        pool = get_checkpointer(self.role).snapshots.pool
         slots = [s for s in pool._slots if s] + ([s for s in pool._old[1] if s] if pool._old else [])
         chunks = [c for free in host_memory._BOUNCES._free.values() for b in free for c in b._bufs]
         return sum(b.nbytes for slot in slots for b in slot if b.is_pinned()) + \

@@ -132,6 +132,10 @@ def _probes() -> ThreadCPU:
     """The save path's hot functions, by what they do. Functions a version of bcp lacks are skipped."""
     from bcp_core import checkpointer, engine, staging
     from bcp_core.storage import local
+    try:
+        from bcp_core.save_rounds import SaveRounds  # the rounds, out of the Checkpointer since the split
+    except ImportError:
+        SaveRounds = checkpointer.Checkpointer
     probe = ThreadCPU()
     probe.wrap(engine, "_checksum_blocks", "hash")  # bcp before hashing was fused with the writes
     # hashing and handing the steps over, less the copies (engine.write since the engine was split in two)
@@ -142,8 +146,10 @@ def _probes() -> ThreadCPU:
     probe.wrap(local._LocalWriter, "close", "fsync_close")
     # the rest, by where it runs: the save call (caller's thread), the plan and commit rounds
     probe.wrap(checkpointer.Checkpointer, "save", "call")
-    probe.wrap(checkpointer.Checkpointer, "_agree", "plan_round")
-    probe.wrap(checkpointer.Checkpointer, "_commit", "commit_round")
+    probe.wrap(SaveRounds, "agree", "plan_round")
+    probe.wrap(SaveRounds, "_agree", "plan_round")
+    probe.wrap(SaveRounds, "commit", "commit_round")
+    probe.wrap(SaveRounds, "_commit", "commit_round")
     return probe
 
 

@@ -1,15 +1,18 @@
-"""A mapped load (Megatron-core layout -> Hugging Face Llama, or Mixtral) against the same load without a
-mapping, and against converting offline with `bcp export --mapping` then loading with `from_pretrained`.
+"""A mapped load (Megatron-core layout -> Hugging Face Llama, Mixtral or DeepSeek-V3) against the same load
+without a mapping, and against converting offline with `bcp export --mapping` then loading with
+`from_pretrained`.
 
     python bench/mapping_load.py [--hidden 512] [--layers 8] [--vocab 32000] [--dir /tmp/bcp_mapbench] [--repeat 2]
     python bench/mapping_load.py --family mixtral [--layers 4] [--experts 8] [--expert-ffn 512]
+    python bench/mapping_load.py --family deepseek_v3 [--layers 4] [--experts 8] [--expert-ffn 512]
 
-Setup (not timed): a LlamaForCausalLM (MixtralForCausalLM: transformers 5's fused 3-D experts) of the
-given size trains 2 AdamW steps and is saved by bcp (Hugging Face keys, `{"model", "optimizer"}`); the
-same state is then written in Megatron's layout (stacked layers, fused [q; k; v] per query group and
-[gate; up], experts stacked on the axis after the layer's, vocabulary padded to 128, the
-DistributedOptimizer's fully_reshardable keys) through `bcp_integrations.megatron.save`: the two
-checkpoints hold the same numbers. Each measurement runs in a fresh process (its own peak RSS),
+Setup (not timed): a LlamaForCausalLM (MixtralForCausalLM, DeepseekV3ForCausalLM: transformers 5's fused
+3-D experts; DeepSeek-V3's multi-latent attention, a shared expert, its first layer dense) of the given
+size trains 2 AdamW steps and is saved by bcp (Hugging Face keys, `{"model", "optimizer"}`); the same
+state is then written in Megatron's layout (stacked layers, or per layer for DeepSeek-V3, fused
+[q; k; v] per query group and [gate; up], experts stacked on an axis of their own, vocabulary padded
+to 128, the DistributedOptimizer's fully_reshardable keys) through `bcp_integrations.megatron.save`:
+the two checkpoints hold the same numbers. Each measurement runs in a fresh process (its own peak RSS),
 the kinds alternated `--repeat` times, best time and lowest peak kept:
 
 - `mapped`: `bcp.load(megatron_ckpt, {"model", "optimizer"}, mapping=megatron_to_hf(config))`
@@ -41,10 +44,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def config(args):
-    from transformers import LlamaConfig, MixtralConfig
+    from transformers import DeepseekV3Config, LlamaConfig, MixtralConfig
     dims = dict(hidden_size=args.hidden, num_attention_heads=args.hidden // 64, num_key_value_heads=max(
         1, args.hidden // 256), num_hidden_layers=args.layers, vocab_size=args.vocab, max_position_embeddings=128,
         tie_word_embeddings=False)
+    if args.family == "deepseek_v3":  # DeepSeek-V3's proportions: latent ranks 1/2 and 1/4 of hidden, 1 dense layer
+        return DeepseekV3Config(**{**dims, "num_key_value_heads": dims["num_attention_heads"]},
+                                intermediate_size=args.hidden * 8 // 3 // 64 * 64,
+                                moe_intermediate_size=args.expert_ffn,
+                                n_routed_experts=args.experts, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+                                topk_group=1, first_k_dense_replace=1, q_lora_rank=args.hidden // 2,
+                                kv_lora_rank=args.hidden // 4, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+                                num_mtp_layers=0)
     if args.family == "mixtral":
         return MixtralConfig(**dims, intermediate_size=args.expert_ffn, num_local_experts=args.experts,
                              num_experts_per_tok=2)
@@ -52,8 +63,8 @@ def config(args):
 
 
 def model_class(args):
-    from transformers import LlamaForCausalLM, MixtralForCausalLM
-    return MixtralForCausalLM if args.family == "mixtral" else LlamaForCausalLM
+    from transformers import DeepseekV3ForCausalLM, LlamaForCausalLM, MixtralForCausalLM
+    return {"mixtral": MixtralForCausalLM, "deepseek_v3": DeepseekV3ForCausalLM}.get(args.family, LlamaForCausalLM)
 
 
 def setup(args) -> None:
@@ -142,9 +153,9 @@ def run_child(args, kind: str) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--family", choices=("llama", "mixtral"), default="llama")
+    p.add_argument("--family", choices=("llama", "mixtral", "deepseek_v3"), default="llama")
     p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=None, help="default: 8 (llama), 4 (mixtral)")
+    p.add_argument("--layers", type=int, default=None, help="default: 8 (llama), 4 (mixtral, deepseek_v3)")
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--expert-ffn", type=int, default=512)
     p.add_argument("--vocab", type=int, default=32000)
@@ -153,7 +164,7 @@ def main() -> None:
     p.add_argument("--child", default=None)
     args = p.parse_args()
     if args.layers is None:
-        args.layers = 4 if args.family == "mixtral" else 8
+        args.layers = 8 if args.family == "llama" else 4
     if args.child:
         print(json.dumps(child(args)))
         return
@@ -173,7 +184,7 @@ def main() -> None:
     size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(os.path.join(args.dir, "megatron"))
                for f in fs)
     model = {"family": args.family, "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab}
-    if args.family == "mixtral":
+    if args.family != "llama":
         model.update(experts=args.experts, expert_ffn=args.expert_ffn)
     report = {"model": {**model, "checkpoint_mib": round(size / 2**20, 1)},
               "runs": {k: {"seconds": round(v["seconds"], 3), "peak_rss_mib": round(v["peak_rss_mib"], 1)}

@@ -17,8 +17,24 @@ which Megatron only converts for CUDA tensors); and `WrappedTorchNorm` accepts `
 `sequence_parallel`, as Megatron's own norms are, so that `finalize_model_grads` sums its gradient
 over the TP group.
 
-It also mends one thing of the path Megatron takes without Apex or Transformer Engine (torch's
-Adam, the only one on CPU): loading `fully_reshardable` optimizer state copies every key of the
+HybridModel (megatron-core 0.19) builds its layers from Transformer Engine's modules
+(`hybrid_stack_spec`); `hybrid_local_spec()` is the same stack of Megatron's local modules, saving
+the keys Transformer Engine's saves, and the stack's final norm (`TENorm`) is Megatron's
+`WrappedTorchNorm` where Transformer Engine is absent.
+
+Multi-latent attention (MLA, DeepSeek-V3's) needs two: its core attention takes separate key and value
+head sizes, which only Transformer Engine's `TEDotProductAttention` accepts (`PlainAttention` below is
+that interface in plain torch, for the layer specs: `use_plain_attention(specs)`); and
+`multi_latent_attention.HAVE_TE` is set False where Transformer Engine is absent: Megatron then takes
+it for present and checks `isinstance(..., TELinear)` against a mock that is no class.
+
+It also mends two things of the path Megatron takes without Apex or Transformer Engine (torch's
+Adam, the only one on CPU). Torch's Adam keeps its step in each parameter's state, where
+`DistributedOptimizer.state_dict()` reads it and asserts one; a fresh optimizer has no state yet, so
+building the sharded state dict a load fills (`opt.sharded_state_dict(..., is_loading=True)`) stops
+at `assert len(steps) == 1`: here a fresh optimizer's step is 0 (Apex's and Transformer Engine's Adam
+keep the step in the param groups; on a GPU nothing is needed). And loading `fully_reshardable`
+optimizer state copies every key of the
 inner optimizer's state from the loaded tensors, including the `step` that `load_state_dict` has
 just set from the param groups and that loaded tensors never hold (KeyError: 'step'; the
 `dp_reshardable` ones hold the step of the optimizer that asked, not the saved one), and that
@@ -140,7 +156,33 @@ def cuda_on_cpu():
                     dst.copy_(tensors[key])
 
     patch(DistributedOptimizer, "_set_main_param_and_optimizer_states", set_loaded_states)
+    from megatron.core.optimizer import distrib_optimizer
+    if not distrib_optimizer.HAVE_APEX_OR_TE:
+        state_dict = DistributedOptimizer.state_dict
+
+        def fresh_state_dict(self):
+            if self.optimizer.state:
+                return state_dict(self)
+            for group in self.optimizer.param_groups:  # before the first step: Adam's step is 0
+                for param in group["params"]:
+                    self.optimizer.state[param] = {"step": torch.tensor(0.0)}
+            try:
+                return state_dict(self)
+            finally:
+                self.optimizer.state.clear()
+
+        patch(DistributedOptimizer, "state_dict", fresh_state_dict)
     _moe_on_cpu(patch)
+    from megatron.core.transformer import multi_latent_attention
+    if not isinstance(getattr(multi_latent_attention, "TELinear", None), type):  # Transformer Engine absent
+        patch(multi_latent_attention, "HAVE_TE", False)
+    try:  # megatron-core 0.19+: HybridModel's final norm is Transformer Engine's
+        from megatron.core.models.hybrid import hybrid_block
+    except ImportError:
+        hybrid_block = None
+    if hybrid_block is not None and not _have_te():
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+        patch(hybrid_block, "TENorm", WrappedTorchNorm)
     try:
         yield
     finally:
@@ -181,3 +223,69 @@ def _moe_on_cpu(patch) -> None:
         return module
 
     patch(torch_norm.WrappedTorchNorm, "__new__", norm)
+
+
+class PlainAttention(torch.nn.Module):
+    """Transformer Engine's `TEDotProductAttention` interface (key and value head sizes of their own, as
+    multi-latent attention needs) in plain torch: causal softmax attention of [s, b, heads, d] query, key
+    and value, scaled by `softmax_scale`; returns [s, b, heads * d_v]."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None,
+                 **kwargs):
+        super().__init__()
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **kwargs):
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                                               enable_gqa=k.shape[1] != q.shape[1])
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+
+def use_plain_attention(layer_specs) -> None:
+    """Make the multi-latent attention of each of Megatron's transformer layer specs
+    (`get_gpt_decoder_block_spec(...).layer_specs`, or a HybridModel's layer specs) use `PlainAttention`
+    as its core attention."""
+    for spec in layer_specs:
+        attention = getattr(spec.submodules, "self_attention", None)
+        if attention is not None and "MLA" in getattr(attention.module, "__name__", ""):
+            attention.submodules.core_attention = PlainAttention
+
+
+def _have_te() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def hybrid_local_spec(config):
+    """HybridModel's stack spec (megatron-core 0.19) with Megatron's local modules where
+    `hybrid_layer_specs.hybrid_stack_spec` has Transformer Engine's, saving the same keys: '*' attention
+    (its input norm as `self_attention.linear_qkv.layer_norm_weight`), '+' multi-latent attention
+    (`input_layernorm`, the latent norms by `config.qk_layernorm`), '-' an MLP (its norm as
+    `mlp.linear_fc1.layer_norm_weight`), 'E' MoE (`pre_mlp_layernorm`, SequentialMLP)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import (MoETransformerLayer, TransformerLayer,
+                                                             TransformerLayerSubmodules)
+
+    mla = bool(getattr(config, "multi_latent_attention", False))
+    norm = config.normalization
+    dense = get_gpt_layer_local_spec(normalization=norm, multi_latent_attention=mla,
+                                     qk_layernorm=bool(config.qk_layernorm)).submodules
+    moe = get_gpt_layer_local_spec(num_experts=config.num_moe_experts or 1, normalization=norm,
+                                   multi_latent_attention=mla, qk_layernorm=bool(config.qk_layernorm)).submodules
+    attention = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=dense.input_layernorm, self_attention=dense.self_attention, self_attn_bda=dense.self_attn_bda,
+        sharded_state_dict_keys_map={} if mla else {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}))
+    use_plain_attention([attention])
+    mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=dense.pre_mlp_layernorm, mlp=dense.mlp, mlp_bda=dense.mlp_bda,
+        sharded_state_dict_keys_map={"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}))
+    moe_layer = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=moe.pre_mlp_layernorm, mlp=moe.mlp, mlp_bda=moe.mlp_bda))
+    return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
+        attention_layer=attention, mla_layer=attention, mlp_layer=mlp, moe_layer=moe_layer))

@@ -3,10 +3,11 @@ for the CUDA calls it makes. recipes/megatron_lm_pretrain.py installs them when 
 the tests that run Megatron-LM (tests/test_megatron_lm.py) do too. On a GPU machine none is used.
 
 `install()` replaces the CUDA calls Megatron-LM makes beyond Megatron-core's DDP and
-DistributedOptimizer (whose stand-ins are recipes/_megatron_cpu.py's `cuda_on_cpu()`, entered here
-for the whole run); `install_in_spawned_process()` is what the processes Megatron starts need.
-`use_wheel_helpers()` loads the installed megatron-core wheel's compiled dataset helpers, for a
-Megatron-LM checkout that is read-only or has no compiler. Each stand-in names the place that needs
+DistributedOptimizer (whose stand-ins, and the mends of the DistributedOptimizer around torch's Adam,
+are recipes/_megatron_cpu.py's `cuda_on_cpu()`, entered here for the whole run);
+`install_in_spawned_process()` is what the processes Megatron starts need. `use_wheel_helpers()`
+loads the installed megatron-core wheel's compiled dataset helpers, for a Megatron-LM checkout that
+is read-only or has no compiler. Each stand-in names the place that needs
 it; none belongs in bcp.
 """
 
@@ -125,7 +126,6 @@ def install() -> None:
     _patch(training, "set_jit_fusion_options", lambda *a, **k: None)
     # validate_args asks the GPU's compute capability whenever TP > 1
     _patch(arguments, "get_device_arch_version", lambda: 9)
-    _distributed_optimizer_with_torch_adam()
     # torch_dist's async save: the persistent worker's copy of what it writes
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
     _preloads.append(FileSystemWriterAsync.preload_tensors)
@@ -154,10 +154,15 @@ def preload_tensors_copying(write_buckets, non_blocking=True):
 def _one_device() -> None:
     """One CUDA device to count and select: _initialize_distributed builds the model-parallel groups
     and seeds the model-parallel RNG tracker only when it sees a device; the persistent checkpoint
-    worker selects `rank % device_count()` first thing."""
+    worker selects `rank % device_count()` first thing. And none available, whichever torch build
+    runs: torch pins memory where `is_available()` says so (the DataLoader Megatron-LM builds with
+    pin_memory=True), which initialises CUDA; with a CUDA build on a machine without a GPU that fails
+    ("Found no NVIDIA driver"), and with PYTORCH_NVML_BASED_CUDA_CHECK=1 torch's own is_available()
+    would take the device count above for a device."""
     import torch
     _patch(torch.cuda, "device_count", lambda: 1)
     _patch(torch.cuda, "set_device", lambda *a, **k: None)
+    _patch(torch.cuda, "is_available", lambda: False)
 
 
 def install_in_spawned_process() -> None:
@@ -168,32 +173,3 @@ def install_in_spawned_process() -> None:
     without_triton()
     _one_device()
     _patch(torch.cuda, "synchronize", lambda *a, **k: None)
-
-
-def _distributed_optimizer_with_torch_adam() -> None:
-    """Megatron's DistributedOptimizer around torch's Adam (no Apex or Transformer Engine on CPU):
-    without them it keeps Adam's step in each parameter's state (TE's FusedAdam keeps it in the
-    param groups) and its `state_dict()` asserts that every state holds one. Megatron-LM builds a
-    load's sharded state dict before the first step, when no state does: Adam's step is 0 then.
-    (The load itself, its step and its fp32 copies into views of the parameters, is mended by
-    recipes/_megatron_cpu.py.)"""
-    import torch
-    from megatron.core.optimizer import distrib_optimizer
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    if distrib_optimizer.HAVE_APEX_OR_TE:
-        return
-    original_state_dict = DistributedOptimizer.state_dict
-
-    def state_dict(self):
-        if self.optimizer.state:
-            return original_state_dict(self)
-        for group in self.optimizer.param_groups:
-            for param in group["params"]:
-                self.optimizer.state[param] = {"step": torch.tensor(0.0)}
-        try:
-            return original_state_dict(self)
-        finally:
-            self.optimizer.state.clear()
-
-    _patch(DistributedOptimizer, "state_dict", state_dict)

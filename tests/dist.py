@@ -58,6 +58,20 @@ def _context():
     return ctx
 
 
+def wait_for_file(path: str, timeout: float = 120.0) -> None:
+    """An event between processes: wait until another one has created `path`."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} was never created"
+        time.sleep(0.01)
+
+
+def mark(path: str) -> None:
+    """The other side of `wait_for_file`."""
+    with open(path, "w"):
+        pass
+
+
 def run_ranks(world_size: int, fn, *args, timeout: float = 180.0) -> list:
     """fn(rank, world_size, *args) on each rank; returns the results in rank order or raises."""
     import torch.distributed as dist
@@ -210,6 +224,28 @@ class Job:
     def signal(self, signum: int, pid: int | None = None) -> None:
         """Send `signum` to torchrun (which forwards it to every worker), or to process `pid` only."""
         os.kill(pid if pid is not None else self.proc.pid, signum)
+
+    def signal_paused(self, root: str, step: int, signum: int, pid: int | None = None, receivers: int = 2,
+                      line: str = "bcp: received {}", timeout: float = 120) -> None:
+        """For a job paused at `step` (`--pause-at`, tests/pause.py): `signal`, then, once `receivers`
+        workers have logged `line` (the signal's name in it: bcp's handler's), release the job."""
+        import signal
+        from pause import release
+        self.signal(signum, pid)
+        line = line.format(signal.Signals(signum).name)
+        deadline = time.monotonic() + timeout
+        while self.peek_output().count(line) < receivers:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"{self.name}: {receivers} worker(s) should have logged {line!r}:\n"
+                                     f"{self.peek_output()[-6000:]}")
+            time.sleep(0.05)
+        release(root, step)
+
+    def peek_output(self) -> str:
+        """The output so far, read without moving the file offset the job's processes write at."""
+        fd = self._out.fileno()
+        return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
 
     def finish(self, timeout: float = 180) -> int:
         """Wait for the job; its exit status (the output is in `.output`)."""

@@ -10,16 +10,25 @@ sees it.
     BCP_TEST_FAULT="slow-commit:rank=0:save=2"    on rank 0, the 2nd save's on_commit starts 1 s
                                                   late: that rank learns of the commit after the
                                                   others, which go on to their next save
+    BCP_TEST_FAULT="stall:rank=1:save=11"         on rank 1, each data file of the 11th save waits
+                                                  until the coordinator has given that save up
+                                                  (its bcp_failed.json exists): a rank that stops
+                                                  answering, held by an event, not by a time. Not
+                                                  for rank 0, the coordinator; the job gives the
+                                                  other ranks a short timeout for that save
+                                                  (`waits_for_a_stalled_rank`), and the stalled
+                                                  rank a long one
 
-Several faults are joined by ","; leaving out `rank=` or `save=` means every rank or every save.
+Several faults are joined by ","; leaving out `rank=` or `save=` means every rank or every save
+("stall" needs both).
 A job calls `install_from_env()` once RANK is set (torchrun sets it before the script starts); it
 does nothing when BCP_TEST_FAULT is unset.
 
 Saves are counted from 1 in each process by the calls of `Checkpointer.save`, which `bcp_core.save`
 and every integration go through (`prepare_save` does not count); every rank makes the same calls,
 so "the 3rd save" is the same save on every rank. A data write belongs to a save when it goes to
-that save's checkpoint directory while the save is in flight. Writes are intercepted at
-`LocalStorage.open_writer`: local paths and memory://.
+that save's checkpoint directory while the save is in flight. Writes are intercepted through
+`bcp_core.storage.faults`, the core's fault injection: every backend.
 
 `CommittedWatch` is the test's side: it checks, while a job runs, that checkpoint directories hold
 a committed checkpoint at every moment.
@@ -32,15 +41,17 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bcp_core import checkpointer
 from bcp_core.layout import BCP_STEPS, latest_complete
-from bcp_core.storage import FileWriter, storage_for
-from bcp_core.storage.local import LocalStorage
+from bcp_core.metadata import FAILED_FILE
+from bcp_core.storage import faults as storage_faults
+from bcp_core.storage import storage_for
 
 ENV = "BCP_TEST_FAULT"
-KINDS = ("write", "commit", "slow", "slow-commit")
+KINDS = ("write", "commit", "slow", "slow-commit", "stall")
+STALL_SECONDS = 120  # a stalled rank goes on after this long even if its save was never given up
 
 
 @dataclass(frozen=True)
@@ -61,13 +72,24 @@ def parse(text: str) -> list[Fault]:
         if kind not in KINDS:
             raise ValueError(f"{ENV}: unknown fault {kind!r} in {spec!r}; known: {', '.join(KINDS)}")
         values: dict = {}
-        for field in fields:
-            key, sep, value = field.partition("=")
+        for item in fields:
+            key, sep, value = item.partition("=")
             if not sep or key not in ("rank", "save", "seconds"):
-                raise ValueError(f"{ENV}: bad field {field!r} in {spec!r}; expected rank=R, save=N or seconds=S")
+                raise ValueError(f"{ENV}: bad field {item!r} in {spec!r}; expected rank=R, save=N or seconds=S")
             values[key] = float(value) if key == "seconds" else int(value)
+        if kind == "stall" and (values.get("rank") in (None, 0) or values.get("save") is None):
+            raise ValueError(f"{ENV}: {spec!r}: a stall names one save and one rank other than 0 (the "
+                             "coordinator gives the save up, which releases the stalled rank)")
         faults.append(Fault(kind, **values))
     return faults
+
+
+def waits_for_a_stalled_rank(save: int) -> bool:
+    """Whether another rank than this one stalls in this process's `save`-th save: the job gives
+    that save a short timeout, which is then what the job tests."""
+    rank = int(os.environ.get("RANK", "0"))
+    return any(f.kind == "stall" and f.save == save and f.rank != rank
+               for f in parse(os.environ.get(ENV, "")))
 
 
 def install_from_env() -> list[Fault]:
@@ -85,6 +107,7 @@ class _Flight:
     faults: list[Fault]
     handle: checkpointer.SaveHandle | None = None
     ended: bool = False     # the call raised and started nothing
+    started: set = field(default_factory=set)  # the data files written to so far
 
     def over(self) -> bool:
         return self.ended or (self.handle is not None and self.handle.done())
@@ -96,7 +119,7 @@ _saves = 0
 
 
 def _install(faults: list[Fault]) -> None:
-    save, open_writer = checkpointer.Checkpointer.save, LocalStorage.open_writer
+    save = checkpointer.Checkpointer.save
 
     def faulty_save(self, path, state, *args, step=None, on_commit=None, **kwargs):
         global _saves
@@ -106,7 +129,7 @@ def _install(faults: list[Fault]) -> None:
         mine = [f for f in faults if f.save in (None, number)]
         if any(f.kind in ("commit", "slow-commit") for f in mine):
             on_commit = _faulty_on_commit(on_commit, number, mine)
-        flight = _Flight(_checkpoint_root(path, step), [f for f in mine if f.kind in ("write", "slow")])
+        flight = _Flight(_checkpoint_root(path, step), [f for f in mine if f.kind in ("write", "slow", "stall")])
         if flight.faults:
             with _lock:
                 _flights.append(flight)
@@ -118,15 +141,33 @@ def _install(faults: list[Fault]) -> None:
             raise
         return flight.handle
 
-    def faulty_open_writer(self, relpath: str) -> FileWriter:
-        writer = open_writer(self, relpath)
-        with _lock:
-            _flights[:] = [f for f in _flights if not f.over()]
-            active = [fault for f in _flights if f.root == self.root for fault in f.faults]
-        return _FaultyWriter(writer, active) if active else writer
-
     checkpointer.Checkpointer.save = faulty_save
-    LocalStorage.open_writer = faulty_open_writer
+    storage_faults.inject(storage_faults.Fault("write", hook=_data_write))
+
+
+def _data_write(call: storage_faults.Call) -> None:
+    """A write of a data file of a save with faults: the file's first write sleeps ("slow") or
+    waits for the save to be given up ("stall"); every write raises ENOSPC ("write")."""
+    with _lock:
+        _flights[:] = [f for f in _flights if not f.over()]
+        mine = [f for f in _flights if call.path.startswith(f.root + "/data/")]
+        first = [f for f in mine if call.path not in f.started]
+        for f in first:
+            f.started.add(call.path)
+    for flight in first:
+        for fault in flight.faults:
+            if fault.kind == "slow":
+                time.sleep(fault.seconds)
+            elif fault.kind == "stall":
+                _wait_until_given_up(flight.root)
+    if any(fault.kind == "write" for f in mine for fault in f.faults):
+        raise OSError(errno.ENOSPC, f"No space left on device (fault injected by {ENV})")
+
+
+def _wait_until_given_up(root: str) -> None:
+    ckpt, deadline = storage_for(root), time.monotonic() + STALL_SECONDS
+    while not ckpt.exists(FAILED_FILE) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _checkpoint_root(path, step: int | None) -> str:
@@ -146,40 +187,6 @@ def _faulty_on_commit(on_commit: Callable[[str], None] | None, number: int,
             raise RuntimeError(f"fault injected by {ENV}: on_commit of save {number} on rank "
                                f"{os.environ.get('RANK', '0')}")
     return faulty
-
-
-class _FaultyWriter(FileWriter):
-    """A data file of a save with faults: the first write sleeps ("slow") or raises ENOSPC ("write")."""
-
-    def __init__(self, inner: FileWriter, faults: list[Fault]):
-        self.inner, self.faults, self.started = inner, faults, False
-        self.write_bytes, self.align = inner.write_bytes, inner.align  # the engine writes as it would to inner
-
-    def can_write_in_place(self, data: memoryview) -> bool:
-        return self.inner.can_write_in_place(data)
-
-    def write(self, data: memoryview) -> None:
-        self._fault()
-        self.inner.write(data)
-
-    def write_in_place(self, data: memoryview) -> None:
-        self._fault()
-        self.inner.write_in_place(data)
-
-    def _fault(self) -> None:
-        if not self.started:
-            self.started = True
-            for fault in self.faults:
-                if fault.kind == "slow":
-                    time.sleep(fault.seconds)
-        if any(f.kind == "write" for f in self.faults):
-            raise OSError(errno.ENOSPC, f"No space left on device (fault injected by {ENV})")
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def abort(self) -> None:
-        self.inner.abort()
 
 
 # ----------------------------------------------------------------------------- watching a job's checkpoints

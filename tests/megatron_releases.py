@@ -11,7 +11,10 @@ variable the tests of those releases skip, saying why. Megatron-LM's training lo
 from __future__ import annotations
 
 import contextlib
+import enum
 import os
+import pickle
+import platform
 import runpy
 import sys
 
@@ -79,6 +82,21 @@ def env(release: str, need_tree: bool = False) -> dict:
         return {}
     rest = os.environ.get("PYTHONPATH")
     return {"PYTHONPATH": os.pathsep.join([*first, *([rest] if rest else [])])}
+
+
+class _Probe(enum.Enum):
+    MEMBER = 1
+
+
+def megatron_common_pt_unloadable(release: str) -> str | None:
+    """Why Megatron-LM `release` cannot resume here from a checkpoint whose non-sharded values
+    Megatron pickled itself into common.pt (torch_dist's, up to 0.18), or None where it can."""
+    if b"getattr" not in pickle.dumps(_Probe.MEMBER) or tuple(int(x) for x in release.split(".")[:2]) >= (0, 19):
+        return None
+    return (f"Python {platform.python_version()} pickles enum members through getattr, which "
+            f"torch.load(weights_only=True) refuses whatever is allowed: Megatron-LM {release} cannot load "
+            "the common.pt Megatron itself wrote for torch_dist (its args hold enums). bcp writes its "
+            "own with enum members by value (tests/test_megatron_contract.py)")
 
 
 def activate(release: str, need_tree: bool = False) -> None:

@@ -83,23 +83,18 @@ def _async_scenarios(rank, world_size, root):
 
     # 3. A write failure on rank 1: wait() raises on every rank, nothing is committed, the next
     #    save goes through.
-    import bcp_core.checkpointer as mod
-    real = mod.write_items
-
-    def failing(storage, r, *a, **k):
-        if r == 1:
-            raise OSError(28, "No space left on device")
-        return real(storage, r, *a, **k)
-    mod.write_items = failing
+    from bcp_core.storage.faults import Fault, inject
+    full_disk = inject(Fault("write", error=OSError(28, "No space left on device"))) if rank == 1 else None
     h = bcp.save(os.path.join(root, "b"), {"model": model}, step=1, async_save=True, role="async-test")
-    with pytest.raises(bcp.SaveError, match=r"rank 1: OSError: \[Errno 28\] No space left on device"):
+    with pytest.raises(bcp.SaveError, match=r"rank 1: .*\[Errno 28\] No space left on device"):
         h.wait()
     assert not os.path.exists(os.path.join(root, "b", "step_00000001", "bcp_metadata.json"))
     # not waited on: surfaces at the next save of the role
     h = bcp.save(os.path.join(root, "b"), {"model": model}, step=2, async_save=True, role="async-test")
     while not h.done():
         time.sleep(0.01)
-    mod.write_items = real
+    if full_disk is not None:
+        full_disk.remove()
     # raised once the next save is under way (here a synchronous one, which commits): every rank
     # takes part in every save, so no rank skips one and pairs its messages with another's
     with pytest.raises(bcp.PreviousSaveError, match="an earlier asynchronous save .* failed"):
@@ -117,7 +112,7 @@ def _async_scenarios(rank, world_size, root):
     state = {"model": model, "optimizer": optim}
     bcp.prepare_save(state, role="prepare-test").result()
     out["prepared_plans"] = prep.stats["plans"]
-    warmed = [b.data_ptr() for b in prep._pool._slots[0]]
+    warmed = [b.data_ptr() for b in prep.snapshots.pool._slots[0]]
     comm = comm_for(None, "prepare-test")
     before = comm.collectives
     snapshots, handles = [copy.deepcopy(full_state(model, optim))], [
@@ -125,7 +120,7 @@ def _async_scenarios(rank, world_size, root):
     train(model, optim, range(5, 6))
     _assert_each_holds_its_call(handles, snapshots, rank, "prepared save")
     out["prepared_first_save"] = {"plans": prep.stats["plans"], "collectives": comm.collectives - before,
-                                  "same_buffers": [b.data_ptr() for b in prep._pool._slots[0]] == warmed}
+                                  "same_buffers": [b.data_ptr() for b in prep.snapshots.pool._slots[0]] == warmed}
     # a planning error on one rank fails prepare_save on every rank, naming it
     bad = {"x": Opaque()} if rank == 1 else {"x": [1, 2]}
     with pytest.raises(bcp.SaveError, match=r"prepare_save \(role 'prepare-test'\) planned nothing: rank 1: "
@@ -161,7 +156,7 @@ def test_host_memory_stays_flat_over_20_async_saves(tmp_path):
         bcp.save(str(tmp_path), state, step=k, async_save=True, role="mem").wait()
         rss.append(_rss_bytes())
     cp = ckp.get_checkpointer("mem")
-    assert cp._pool.nbytes() <= 2 * (32 << 20)
+    assert cp.snapshots.pool.nbytes() <= 2 * (32 << 20)
     assert rss[-1] - rss[3] < 16 << 20, [r >> 20 for r in rss]
     out = {"w": torch.empty(8 << 20)}
     bcp.load(str(tmp_path), out)
@@ -176,7 +171,7 @@ def test_roles_are_independent(tmp_path):
     actor["w"].mul_(5)  # after the call: not in the checkpoint
     h1.wait(), h2.wait()
     a, c = ckp.get_checkpointer("actor"), ckp.get_checkpointer("critic")
-    assert a is not c and a._plans.keys().isdisjoint(c._plans.keys())
+    assert a is not c and a.rounds._plans.keys().isdisjoint(c.rounds._plans.keys())
     out = {"w": torch.empty(1000)}
     bcp.load(str(tmp_path / "actor"), out)
     assert torch.equal(out["w"], torch.ones(1000))
@@ -198,13 +193,13 @@ def _fork_scenarios(rank, world_size, root):
     _assert_each_holds_its_call(handles, snapshots, rank, "fork-snapshot save")
     phases = {r["phase"] for r in handles[0].metrics}
     out["child_phases"] = sorted(phases & {"write", "checksum", "fsync"})
-    out["pool_bytes"] = cp._pool.nbytes()
+    out["pool_bytes"] = cp.snapshots.pool.nbytes()
 
     # A snapshot process that dies: the save fails on every rank, nothing is committed, and the
     # next save goes through.
     import signal
 
-    import bcp_core.snapshot as mod
+    import bcp_core.fork_snapshot as mod
     real = mod._snapshot_child
 
     def dying(write, r_in, w_out):  # only the step-1 save forks while this is in place

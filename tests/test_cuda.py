@@ -106,14 +106,14 @@ def _busy(device: str) -> None:
 
 
 def _job(role: str):
-    """The newest save of a role, as the checkpointer holds it (its lazy copy, staging slot)."""
-    return get_checkpointer(role)._pending[-1][1]
+    """The newest save of a role, as the checkpointer holds it (its plan and snapshot: staged copies, lazy copy)."""
+    return get_checkpointer(role).queue.pending[-1].progress
 
 
 def _staged_pairs(role: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(staging buffer, live source) of every box the role's newest save staged."""
     job = _job(role)
-    return [(buf, job.plan.tensors[ti][1].boxes[bi].view) for (ti, bi), buf in job.staged.items()]
+    return [(buf, job.plan.tensors[ti][1].boxes[bi].view) for (ti, bi), buf in job.snapshot.staged.items()]
 
 
 def _pinned_where_on_cuda(pairs) -> bool:
@@ -123,7 +123,7 @@ def _pinned_where_on_cuda(pairs) -> bool:
 
 def _pool_buffers(role: str) -> list[torch.Tensor]:
     """Every staging buffer the role's pool holds (both slots, and those of a previous layout)."""
-    pool = get_checkpointer(role)._pool
+    pool = get_checkpointer(role).snapshots.pool
     slots = [s for s in pool._slots if s]
     if pool._old is not None:
         slots += [s for s in pool._old[1] if s]
@@ -193,7 +193,7 @@ def test_lazy_snapshot_holds_the_values_of_the_call(device, tmp_path):
         want = _state_tensors(model, opt)
         _busy(device)
         handle = bcp.save(str(tmp_path / f"ckpt{k}"), {"model": model, "optimizer": opt}, async_save=True, role=role)
-        lazy = _job(role).lazy
+        lazy = _job(role).snapshot.lazy
         assert lazy is not None  # parameters and optimizer state are taken after the call
         if device == "cuda":
             assert lazy._stream is not None and all(b.is_pinned() for b, _ in lazy._pairs)  # fused: all on CUDA
@@ -779,6 +779,40 @@ def test_megatron_checkpoint_into_hf_llama_on_the_device_in_bf16(megatron_run):
     # logits moved by 0.0063 of their scale on CPU: allowed 0.04 (a misplaced weight moves them by ~1)
     assert 0 < float((got - ref).abs().max()) <= 0.04 * scale, float((got - ref).abs().max())
     assert float((megatron - ref).abs().max()) <= 0.04 * scale, float((megatron - ref).abs().max())
+
+
+# the cpu twin is in the slow tier: tests/test_mapping_deepseek.py runs the same load on CPU in the default suite
+@pytest.mark.parametrize("device", [pytest.param("cpu", id="cpu", marks=pytest.mark.slow), DEVICES[1]])
+def test_deepseek_v3_mapped_into_and_out_of_hf_on_the_device(device, tmp_path):
+    """A Megatron DeepSeek-V3 layout (per layer: multi-latent attention, the first layer dense, experts, shared
+    experts, the router's expert bias; DistributedOptimizer state; built by hand as tests/test_mapping_deepseek
+    does) into a DeepseekV3ForCausalLM and AdamW on the device: every weight, the expert-bias buffer and every
+    Adam moment equal the source's, the step is 2, the logits equal the source model's within fp32 rounding;
+    and the device model's own bcp checkpoint maps back into Megatron's names, equal to the layout."""
+    pytest.importorskip("transformers")
+    import test_mapping_deepseek as ds
+    src = ds.ds_model(ds.ds_config())
+    opt = ds.trained(src)
+    ds.megatron_checkpoint(tmp_path / "mg", src, opt)
+    dst = ds.ds_model(ds.ds_config(), seed=1).to(device)
+    dst_opt = torch.optim.AdamW(dst.parameters(), lr=1e-2)
+    bcp.load(str(tmp_path / "mg"), {"model": dst, "optimizer": dst_opt},
+             mapping=bcp.mapping.megatron_to_hf(dst.config))
+    assert _devices(dst, dst_opt) == {device}
+    want, got = _state_tensors(src, opt), _state_tensors(dst, dst_opt)
+    assert not _differ(want, got), _differ(want, got)[:5]
+    assert {float(s["step"]) for s in dst_opt.state.values()} == {2.0}
+    ids = torch.randint(0, ds.VOCAB, (2, 10), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref, out = src(input_ids=ids).logits, dst(input_ids=ids.to(device)).logits.cpu()
+    assert float((out - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+    bcp.save(str(tmp_path / "hf"), {"model": dst, "optimizer": dst_opt}).wait()
+    layout = ds.megatron_ds_layout({k: v.detach() for k, v in src.state_dict().items()}, ds.LAYERS)
+    back = {k: torch.zeros_like(v) for k, v in layout.items()}
+    bcp.load(str(tmp_path / "hf"), back, mapping=bcp.mapping.hf_to_megatron(dst.config, padded_vocab_size=ds.PADDED))
+    for k, v in layout.items():
+        n = ds.VOCAB if k.endswith(("word_embeddings.weight", "output_layer.weight")) else None
+        assert torch.equal(back[k][:n], v[:n]), k
 
 
 # ----------------------------------------------------------------------------- the GPU bench and its script

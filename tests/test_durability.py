@@ -125,9 +125,10 @@ def test_preemption_checkpoints_at_the_step_reached_and_resumes_exactly(tmp_path
     rank stops at one agreed step, that checkpoint commits, the workers exit 143, and a relaunch
     from it reaches the same final weights as the uninterrupted run."""
     root = str(tmp_path)
-    job = Job("plain_train.py", 2, "--root", root, "--steps", str(2 * STEPS), "--preemption", "--step-delay", "0.3")
-    job.wait_for(os.path.join(root, "progress_rank1"), lambda text: int(text.split()[0]) >= 3)
-    job.signal(signal.SIGTERM, None if target == "torchrun" else _progress(root, 1)[1])
+    job = Job("plain_train.py", 2, "--root", root, "--steps", str(2 * STEPS), "--preemption", "--pause-at", "3")
+    job.wait_for(os.path.join(root, "progress_rank1"), lambda text: int(text.split()[0]) == 3)
+    job.signal_paused(root, 3, signal.SIGTERM, None if target == "torchrun" else _progress(root, 1)[1],
+                      receivers=2 if target == "torchrun" else 1)
     rc = job.finish()
     reached = [_progress(root, r)[0] for r in (0, 1)]
     assert reached[0] == reached[1] and 3 <= reached[0] < 2 * STEPS, (reached, job.output[-4000:])

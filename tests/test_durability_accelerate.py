@@ -111,9 +111,9 @@ def test_preemption_saves_at_the_step_reached_and_resumes_exactly(tmp_path, unin
     commits, the job exits 143; `load_state` of that checkpoint in a relaunch reaches the same
     final weights, optimizer and scheduler state as the uninterrupted run (dropout included)."""
     root = str(tmp_path)
-    job = Job(JOB, 2, "--root", root, "--steps", str(2 * STEPS), "--preemption", "--step-delay", "0.3")
-    job.wait_for(os.path.join(root, "progress_rank1"), lambda text: int(text.split()[0]) >= 3)
-    job.signal(signal.SIGTERM)
+    job = Job(JOB, 2, "--root", root, "--steps", str(2 * STEPS), "--preemption", "--pause-at", "3")
+    job.wait_for(os.path.join(root, "progress_rank1"), lambda text: int(text.split()[0]) == 3)
+    job.signal_paused(root, 3, signal.SIGTERM)
     rc = job.finish()
     reached = [_progress(root, r)[0] for r in (0, 1)]
     assert reached[0] == reached[1] and 3 <= reached[0] < 2 * STEPS, (reached, job.output[-4000:])

@@ -128,9 +128,10 @@ def test_preemption_checkpoints_at_the_step_reached_and_resumes_exactly(tmp_path
     final state bit for bit (dropout and the position in the data included)."""
     root = str(tmp_path)
     job = Job(JOB, 2, "--root", root, "--steps", str(STEPS), "--trainer", trainer, "--preemption",
-              "--step-delay", "0.3", env=ENV)
-    job.wait_for(os.path.join(root, "progress_rank1"), lambda text: int(text.split()[0]) >= 3)
-    job.signal(signal.SIGTERM, None if target == "torchrun" else _progress(root, 1)[1])
+              "--pause-at", "3", env=ENV)
+    job.wait_for(os.path.join(root, "progress_rank1"), lambda text: int(text.split()[0]) == 3)
+    job.signal_paused(root, 3, signal.SIGTERM, None if target == "torchrun" else _progress(root, 1)[1],
+                      receivers=2 if target == "torchrun" else 1)
     rc = job.finish()
     out = job.output
     reached = [_progress(root, r)[0] for r in (0, 1)]

@@ -117,12 +117,13 @@ def _progress(root, rank) -> tuple[int, int]:
     return int(step), int(pid)
 
 
-def _preempted(root: str, *args: str, signal_when, target: str) -> int:
-    """Run the job with the preemption option; once `signal_when(step of rank 1)`, SIGTERM to
+def _preempted(root: str, *args: str, pause_at: int, target: str) -> int:
+    """Run the job with the preemption option; once it is paused at step `pause_at`, SIGTERM to
     torchrun (which forwards it to every worker) or to rank 1 only. The step both ranks stopped at."""
-    job = Job(JOB, 2, "--root", root, "--steps", str(STEPS), "--preemption", "--step-delay", "0.3", *args)
-    job.wait_for(os.path.join(root, "progress_rank1"), lambda text: signal_when(int(text.split()[0])))
-    job.signal(signal.SIGTERM, None if target == "torchrun" else _progress(root, 1)[1])
+    job = Job(JOB, 2, "--root", root, "--steps", str(STEPS), "--preemption", "--pause-at", str(pause_at), *args)
+    job.wait_for(os.path.join(root, "progress_rank1"), lambda text: int(text.split()[0]) == pause_at)
+    job.signal_paused(root, pause_at, signal.SIGTERM, None if target == "torchrun" else _progress(root, 1)[1],
+                      receivers=2 if target == "torchrun" else 1)
     rc = job.finish()
     out = job.output
     reached = [_progress(root, r)[0] for r in (0, 1)]
@@ -151,12 +152,12 @@ def test_preemption_checkpoints_at_the_step_reached_and_resumes_exactly(tmp_path
     run resumed to the end reaches the uninterrupted run's weights, optimizer, scheduler and RNG
     states bit for bit (dropout, mid-epoch data position included)."""
     root = str(tmp_path)
-    first = _preempted(root, "--start-delay", "2", signal_when=lambda step: step == 0, target="one_worker")
+    first = _preempted(root, pause_at=0, target="one_worker")
     assert first == 2
     assert sorted(n for n in os.listdir(root) if n.startswith("hpc_")) == ["hpc_ckpt_1.ckpt"]
     assert_holds_reference(root, "hpc_ckpt_1.ckpt", first)
 
-    second = _preempted(root, "--resume", signal_when=lambda step: step >= first + 3, target="torchrun")
+    second = _preempted(root, "--resume", pause_at=first + 3, target="torchrun")
     assert second > first + 2
     assert sorted(n for n in os.listdir(root) if n.startswith("hpc_")) == ["hpc_ckpt_1.ckpt", "hpc_ckpt_2.ckpt"]
     assert_holds_reference(root, "hpc_ckpt_2.ckpt", second)

@@ -119,9 +119,9 @@ def test_preemption_checkpoints_at_the_iteration_reached_and_resumes_exactly(tmp
     Adam state bit for bit."""
     root = str(tmp_path)
     job = Job(JOB, 2, "--root", root, "--steps", str(2 * STEPS), "--save-interval", "3", "--preemption",
-              "--step-delay", "0.3")
-    job.wait_for(os.path.join(root, "progress_rank1"), lambda text: int(text.split()[0]) >= 4)
-    job.signal(signal.SIGTERM)
+              "--pause-at", "4")
+    job.wait_for(os.path.join(root, "progress_rank1"), lambda text: int(text.split()[0]) == 4)
+    job.signal_paused(root, 4, signal.SIGTERM)
     rc = job.finish()
     reached = [_progress(root, r)[0] for r in (0, 1)]
     assert reached[0] == reached[1] and 4 <= reached[0] < 2 * STEPS, (reached, job.output[-4000:])

@@ -25,6 +25,7 @@ from dist import run_ranks
 
 def _job(rank, world_size, root):
     from bcp_core import checkpointer
+    from bcp_core.storage.faults import Fault, inject
 
     torch.manual_seed(0)  # the same model on both ranks: every box is replicated
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))
@@ -34,15 +35,13 @@ def _job(rank, world_size, root):
     expected = {k: v.clone() for k, v in model.state_dict().items()}
 
     gate = threading.Event()
-    real_write = checkpointer._write
 
-    def gated_write(*args, **kwargs):
+    def gated(call):
         assert gate.wait(60), "the test never opened the gate"
-        return real_write(*args, **kwargs)
-    checkpointer._write = gated_write
+    held = inject(Fault("open_writer", hook=gated, path="*/data/*"))  # the data files wait for the gate
     try:
         handle = bcp.save(root, state, step=1, async_save=True, role="first")
-        job = checkpointer.get_checkpointer("first")._pending[-1][1]
+        job = checkpointer.get_checkpointer("first").queue.pending[-1].progress
         deadline = time.monotonic() + 60
         while job.agreed is None:  # the plan is agreed in the background
             assert time.monotonic() < deadline, "the plan was never agreed"
@@ -52,13 +51,13 @@ def _job(rank, world_size, root):
         gate.set()
         handle.wait()
     finally:
-        checkpointer._write = real_write
-    first = job.lazy.copied_bytes
+        held.remove()
+    first = job.snapshot.lazy.copied_bytes
 
     cp = checkpointer.get_checkpointer("first")
-    first_buffers = {b.data_ptr() for slot in cp._pool._slots if slot for b in slot}
+    first_buffers = {b.data_ptr() for slot in cp.snapshots.pool._slots if slot for b in slot}
     bcp.save(root, state, step=2, async_save=True, role="first").wait()
-    second_buffers = {b.data_ptr() for slot in cp._pool._slots if slot for b in slot}
+    second_buffers = {b.data_ptr() for slot in cp.snapshots.pool._slots if slot for b in slot}
 
     target = {"model": nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))}
     bcp.load(os.path.join(root, "step_00000001"), target)

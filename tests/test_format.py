@@ -140,11 +140,12 @@ def test_python_and_numpy_rng_state_round_trip(tmp_path):
     assert torch.equal(out["extra_state"]["torch"], state["extra_state"]["torch"])
 
 
-def test_inspect_reads_no_tensor_bytes(tmp_path, monkeypatch):
+def test_inspect_reads_no_tensor_bytes(tmp_path):
     bcp.save(str(tmp_path), {"w": torch.ones(1000)}).wait()
-    from bcp_core import storage
-    monkeypatch.setattr(storage.LocalStorage, "read_into", lambda *a, **k: pytest.fail("tensor bytes read"))
-    md = bcp.inspect(str(tmp_path))
+    from bcp_core.storage.faults import Fault, inject
+    with inject(Fault("read_into", hook=lambda call: pytest.fail(f"tensor bytes read from {call.path}"),
+                      path="*/data/*"), Fault("map", hook=lambda call: pytest.fail(f"{call.path} mapped"))):
+        md = bcp.inspect(str(tmp_path))
     assert md.tensors["w"].shape == (1000,) and md.tensors["w"].nbytes == 4000
 
 

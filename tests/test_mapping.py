@@ -372,3 +372,53 @@ def test_auto_picks_megatron_to_hf_from_the_recorded_framework(tmp_path):
         bcp.load(str(tmp_path), {"model": dst}, mapping="auto")
     with pytest.raises(bcp.MappingError, match="'auto'"):
         bcp.load(str(tmp_path), {"model": dst}, mapping="something")
+
+
+def test_qwen3_loads_through_its_registry_entry(tmp_path):
+    """docs/mapping.md's worked example: Qwen3 (dense) is one registry entry, Llama's layers with per-head q/k
+    RMSNorms (`self_attention.{q,k}_layernorm.weight` [L, head_dim]); a layout built by hand loads into
+    Qwen3ForCausalLM with its logits, and the inverse gives the layout back."""
+    from bcp_core.mapping.families import QWEN3, family_of
+    cfg = transformers.Qwen3Config(**{**CFG, "head_dim": 16})  # head_dim other than hidden / heads
+    assert family_of(cfg) is QWEN3 and QWEN3.qk_norm
+    torch.manual_seed(0)
+    src = transformers.Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for n, p in src.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+    sd = {k: v.detach() for k, v in src.state_dict().items()}
+    L, H, h, g, d = 2, 32, 4, 2, 16
+    per = h // g
+
+    def layer(name):
+        return torch.stack([sd[f"model.layers.{i}.{name}"] for i in range(L)])
+
+    def pad(t):
+        return torch.cat([t, torch.full((PADDED - t.shape[0], H), 7.0)])
+
+    qkv = torch.stack([torch.cat([sd[f"model.layers.{i}.self_attn.q_proj.weight"].reshape(g, per * d, H),
+                                  sd[f"model.layers.{i}.self_attn.k_proj.weight"].reshape(g, d, H),
+                                  sd[f"model.layers.{i}.self_attn.v_proj.weight"].reshape(g, d, H)], 1).reshape(-1, H)
+                       for i in range(L)])
+    want = {"embedding.word_embeddings.weight": pad(sd["model.embed_tokens.weight"]),
+            "output_layer.weight": pad(sd["lm_head.weight"]), "decoder.final_layernorm.weight": sd["model.norm.weight"],
+            "decoder.layers.self_attention.linear_qkv.weight": qkv,
+            "decoder.layers.self_attention.linear_qkv.layer_norm_weight": layer("input_layernorm.weight"),
+            "decoder.layers.self_attention.linear_proj.weight": layer("self_attn.o_proj.weight"),
+            "decoder.layers.self_attention.q_layernorm.weight": layer("self_attn.q_norm.weight"),
+            "decoder.layers.self_attention.k_layernorm.weight": layer("self_attn.k_norm.weight"),
+            "decoder.layers.mlp.linear_fc1.layer_norm_weight": layer("post_attention_layernorm.weight"),
+            "decoder.layers.mlp.linear_fc1.weight": torch.cat([layer("mlp.gate_proj.weight"),
+                                                              layer("mlp.up_proj.weight")], 1),
+            "decoder.layers.mlp.linear_fc2.weight": layer("mlp.down_proj.weight")}
+    bcp.save(str(tmp_path / "mg"), {k: v.clone() for k, v in want.items()}).wait()
+    dst = transformers.Qwen3ForCausalLM(cfg).eval()
+    bcp.load(str(tmp_path / "mg"), {"model": dst}, mapping=bcp.mapping.megatron_to_hf(cfg))
+    assert torch.equal(logits(src), logits(dst))
+    bcp.save(str(tmp_path / "hf"), {"model": src}).wait()
+    back = {k: torch.zeros_like(v) for k, v in want.items()}
+    bcp.load(str(tmp_path / "hf"), back, mapping=bcp.mapping.hf_to_megatron(cfg, padded_vocab_size=PADDED))
+    for k, v in want.items():
+        n = CFG["vocab_size"] if k.endswith(("word_embeddings.weight", "output_layer.weight")) else None
+        assert torch.equal(back[k][:n], v[:n]), k

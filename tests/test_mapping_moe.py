@@ -263,11 +263,17 @@ def test_wrong_moe_declarations_fail_loudly_and_load_nothing(tmp_path, family, c
     assert all(torch.equal(before[k], v) for k, v in dst.state_dict().items())
 
 
-def test_moe_configs_the_mapping_does_not_declare_are_refused():
-    with pytest.raises(bcp.MappingError, match=r"dense MLP layers \[1\]"):
-        bcp.mapping.megatron_to_hf(hf_config("qwen3_moe", mlp_only_layers=[1]))
+def test_moe_configs_with_dense_layers_are_declared_per_layer():
+    """Dense MLPs among the MoE ones (Qwen's mlp_only_layers, decoder_sparse_step): Megatron's GPTModel saves
+    such a model per layer (moe_layer_freq), which the mapping declares; a stacked layout of it is refused."""
+    m = bcp.mapping.megatron_to_hf(hf_config("qwen3_moe", mlp_only_layers=[1]))
+    assert m.sources["decoder.layers.1.mlp.linear_fc1.weight"] == (96, HIDDEN)  # [gate; up] of the dense FFN 48
+    assert m.sources["decoder.layers.0.mlp.experts.experts.linear_fc1.weight"] == (EXPERTS, 2 * EXPERT_FFN, HIDDEN)
+    assert "model.layers.1.mlp.gate_proj.weight" in m.targets and "model.layers.0.mlp.gate.weight" in m.targets
+    with pytest.raises(bcp.MappingError, match=r"dense MLP layers \[1\].*per layer, not stacked"):
+        bcp.mapping.megatron_to_hf(hf_config("qwen3_moe", mlp_only_layers=[1]), layout="stacked")
     with pytest.raises(bcp.MappingError, match=r"dense MLP layers \[0\]"):
-        bcp.mapping.megatron_to_hf(hf_config("qwen2_moe", decoder_sparse_step=2))
+        bcp.mapping.megatron_to_hf(hf_config("qwen2_moe", decoder_sparse_step=2), layout="stacked")
     with pytest.raises(bcp.MappingError, match="experts must be one of"):
         bcp.mapping.megatron_to_hf(hf_config("mixtral"), experts="stacked")
 
@@ -477,6 +483,22 @@ def _megatron_to_megatron(root, source, ep, tp, pp=1, etp=None, name=None, **req
     return r
 
 
+DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "megatron.md")
+DOCS_MARKER = "<!-- the EP example: tests/test_mapping_moe.py runs this block as written -->"
+
+
+def _docs_ep_example(root: str, source: str) -> dict:
+    """docs/megatron.md's expert-parallel example, run as written (its one python block after DOCS_MARKER) with
+    `model` and `opt` a fresh EP=1 model and its DistributedOptimizer (no state yet), `ckpt_dir` the EP=2
+    checkpoint."""
+    with open(DOCS) as f:
+        block = f.read().split(DOCS_MARKER, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    cfg, model = _moe_gpt(source.split("_ep")[0], 1, 1)
+    ddp, opt = _distributed(cfg, model)
+    exec(compile(block, DOCS, "exec"), {"model": model, "opt": opt, "ckpt_dir": os.path.join(root, source)})
+    return {"steps": _steps(opt), "logits": _run(ddp, tokens(99), forward_only=True)}
+
+
 def _checkpoint_moments(path: str, hf, hf_opt) -> tuple[list[str], int]:
     """The Adam moments a Megatron checkpoint holds (chained_<n>. prefixes or not) against the Hugging Face
     AdamW's, laid out as Megatron lays them by hand (megatron_moe_layout); padding rows have no counterpart."""
@@ -618,6 +640,7 @@ def _moe_job(rank, world_size, root):
         # EP=1, TP=2 (per expert) -> EP=2 stacked, asking with chained_<n>. prefixes
         out["megatron"]["tp2_to_ep2"] = _megatron_to_megatron(root, "qwen2_moe_ep1_tp2", 2, 1, avoid_prefix=False)
         out["reverse"] = _hf_to_megatron(root)
+        out["docs_example"] = _docs_ep_example(root, "qwen2_moe_ep2_tp1")
         from megatron.core import parallel_state as ps
         ps.destroy_model_parallel()
     refs = {}
@@ -677,6 +700,15 @@ def _assert_continues(run, part, source, case):
         if dst["logits"] is not None:
             assert float((src["logits"] - dst["logits"]).abs().max()) <= 1e-5
             assert abs(src["next_loss"] - dst["next_loss"]) <= 1e-5, (src["next_loss"], dst["next_loss"])
+
+
+def test_the_docs_expert_parallel_example_runs_as_written(moe_run):
+    """docs/megatron.md's example (EP=2 checkpoint, chained_<n>. keys, into a fresh EP=1 model and optimizer):
+    the source's logits and step."""
+    for r in moe_run:
+        src, dst = r["megatron"]["qwen2_moe_ep2_tp1"], r["docs_example"]
+        assert dst["steps"] == [2.0], dst
+        assert float((src["logits"] - dst["logits"]).abs().max()) <= 1e-5
 
 
 def test_megatron_alone_cannot_load_across_a_change_of_the_optimizer_chain(moe_run):

@@ -14,6 +14,7 @@ below assert on the reports. A case that raised reports its traceback instead.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import pickle
@@ -241,6 +242,35 @@ class _Config:
     """A plain object in a ShardedObject: the safe codec refuses it."""
 
 
+class PickledByGetattr(enum.Enum):
+    """An enum whose members pickle as `getattr(Class, name)`, as every enum member does on some
+    Python releases (Debian 12's 3.11.2): torch.load(weights_only=True) refuses that, allowed class
+    or not. Megatron-LM's `args` hold enums, in the common state Megatron loads that way."""
+
+    MODE = 1
+
+    def __reduce_ex__(self, protocol):
+        return getattr, (type(self), self.name)
+
+
+def _common_state_cases(rank, world, root) -> dict:
+    """Megatron's non-sharded values holding an enum member that pickles through getattr, saved with
+    ("bcp", 1): Megatron's own loads of them (`load`, `load_common_state_dict`) get it back, as bcp
+    writes them with enum members by value (up to 0.18 in common.pt, from 0.19 in the checkpoint)."""
+    from megatron.core import dist_checkpointing as dc
+
+    torch.serialization.add_safe_globals([PickledByGetattr])  # as Megatron-LM allows its own enums
+
+    def state():
+        return {"w": dc.ShardedTensor.from_rank_offsets("w", torch.full((2,), float(rank)), (0, rank, world)),
+                "args": {"mode": PickledByGetattr.MODE, "layers": 2}}
+    ckpt = _dir(root, "common_state_enum")
+    dc.save(state(), ckpt, sharded_strategy=("bcp", 1))
+    got = dc.load(state(), ckpt)
+    common = dc.load_common_state_dict(ckpt)
+    return {"args": got["args"], "w": got["w"].tolist(), "common_args": common["args"]}
+
+
 def _write_error_cases(rank, world, root) -> dict:
     """Last: from here on, rank 1's data writes fail (ENOSPC) in every save."""
     from megatron.core import dist_checkpointing as dc
@@ -329,7 +359,8 @@ def _contract(rank: int, world: int, root: str, release: str) -> dict:
     megatron_releases.check_active(release)
     report = {}
     for name, case in (("strict", _strict_cases), ("metadata", _metadata_cases), ("shapes", _shape_cases),
-                       ("saves", _save_cases), ("formats", _format_cases), ("write_error", _write_error_cases)):
+                       ("saves", _save_cases), ("formats", _format_cases), ("common_state", _common_state_cases),
+                       ("write_error", _write_error_cases)):
         try:
             report[name] = case(rank, world, root)
         except Exception:  # noqa: BLE001 - reported to the test that owns the case
@@ -451,6 +482,14 @@ def test_every_way_of_asking_for_bcp_writes_bcp_and_loads_route_by_the_checkpoin
         assert r["torch_dist"]["backend"] == "torch_dist" and r["torch_dist"]["torch_dist"], (rank, r)
         assert not r["torch_dist"]["bcp"]
         assert all(r["loads"].values()) and len(r["loads"]) == 8, (rank, r["loads"])
+
+
+def test_common_state_loads_on_a_python_that_pickles_enum_members_through_getattr(reports):
+    """What Megatron-LM resumes from on Debian 12's Python 3.11.2 (torch_dist's common.pt, written by
+    Megatron's own torch.save, cannot be loaded there: tests/test_megatron_lm.py says so)."""
+    for rank, r in enumerate(_case(reports, "common_state")):
+        assert r["args"] == r["common_args"] == {"mode": PickledByGetattr.MODE, "layers": 2}, (rank, r)
+        assert r["w"] == [float(rank)] * 2, (rank, r)
 
 
 def test_write_failure_on_one_rank_fails_the_save_on_every_rank_sync_and_async(reports):

@@ -14,18 +14,57 @@ from dist import run_ranks
 SLOW_RANK, DELAY_S = 2, 0.5
 
 
+class _WriteSpan:
+    """A rank other than the straggler: from its first data write to the sync of `data/` that ends
+    its writes, it takes `span` seconds; it leaves that number in `<spans>/r<rank>`."""
+
+    def __init__(self, spans: str, rank: int):
+        self.path, self.start = os.path.join(spans, f"r{rank}"), None
+
+    def write(self, call) -> None:
+        if self.start is None:
+            self.start = time.monotonic()
+
+    def synced(self, call) -> None:
+        if self.start is not None and not os.path.exists(self.path):
+            with open(self.path + ".tmp", "w") as f:
+                f.write(repr(time.monotonic() - self.start))
+            os.replace(self.path + ".tmp", self.path)
+
+
+class _Straggler:
+    """The straggler's storage: its first write of tensor bytes returns only once every other rank
+    has written all it writes, and DELAY_S after the longest of their write spans; so its write
+    phase is longer than any other rank's by DELAY_S, however fast or slow the ranks run."""
+
+    def __init__(self, spans: str, world_size: int):
+        self.others = [os.path.join(spans, f"r{r}") for r in range(world_size) if r != SLOW_RANK]
+        self.done = False
+
+    def write(self, call) -> None:
+        if self.done or call.nbytes < 4096:  # a file's header: written before the write phase's clock starts
+            return
+        entered, deadline = time.monotonic(), time.monotonic() + 120
+        while not all(os.path.exists(p) for p in self.others):
+            assert time.monotonic() < deadline, "the other ranks never finished writing"
+            time.sleep(0.01)
+        longest = max(float(open(p).read()) for p in self.others)
+        time.sleep(max(0.0, entered + longest + DELAY_S - time.monotonic()))
+        self.done = True
+
+
 def _save_with_straggler(rank, world_size, root):
     import bcp_core as bcp
-    from bcp_core import storage
+    from bcp_core.storage.faults import Fault, inject
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
-    if rank == SLOW_RANK:  # this rank's storage is slow: each data write takes DELAY_S longer
-        real = storage.local._LocalWriter.write
-
-        def slow_write(self, data):
-            time.sleep(DELAY_S)
-            real(self, data)
-        storage.local._LocalWriter.write = slow_write
+    spans = root + "_write_spans"
+    os.makedirs(spans, exist_ok=True)
+    if rank == SLOW_RANK:  # this rank's storage is slow
+        inject(Fault("write", hook=_Straggler(spans, world_size).write))
+    else:
+        span = _WriteSpan(spans, rank)
+        inject(Fault("write", hook=span.write), Fault("sync_dir", hook=span.synced, path="*/data"))
     mesh = init_device_mesh("cpu", (world_size,))
     full = torch.randn(world_size * 256, 256)
     state = {"model": {"w": distribute_tensor(full, mesh, [Shard(0)]), "b": torch.zeros(256)},
@@ -44,7 +83,7 @@ def test_report_names_the_straggler(tmp_path, capsys):
     rep = report.build(*report.read_records(tmp_path / "ckpt"))  # a root: its latest checkpoint
     assert rep.op == "save" and rep.ranks == [0, 1, 2, 3]
     assert {"plan", "write", "fsync", "commit"} <= set(rep.phases)
-    assert rep.busy[(SLOW_RANK, "write")] >= DELAY_S > max(rep.busy[(r, "write")] for r in (0, 1, 3))
+    assert rep.busy[(SLOW_RANK, "write")] >= DELAY_S + max(rep.busy[(r, "write")] for r in (0, 1, 3))
     text = report.summary(rep)
     assert f"slowest rank: {SLOW_RANK} " in text and "mostly in 'write'" in text
     assert "most uneven phase: 'write'" in text

@@ -28,8 +28,8 @@ def _counting(cls_or_module, name, log, key):
 def _byte_sharing(rank, root) -> list:
     """Each rank on a host of its own: replicas need every byte, and each range is read once."""
     from bcp_core import shared_reads
-    from bcp_core.storage import LocalStorage
     from bcp_core.load_config import LOAD_CONFIG, configure_load
+    from bcp_core.storage.faults import Fault, inject
 
     window, budget = LOAD_CONFIG.transfer_window_bytes, LOAD_CONFIG.buffer_bytes
     model, optim = build("fsdp2")  # saved sharded...
@@ -38,12 +38,10 @@ def _byte_sharing(rank, root) -> list:
     host = shared_reads._host
     shared_reads._host = lambda: f"host{rank}"
     reads: list = []
-    real = _counting(LocalStorage, "read_into", reads,
-                     lambda self, relpath, offset, out: (relpath, offset, offset + len(memoryview(out).cast("B"))))
     try:
         ddp, ddp_opt = build("ddp", seed=5)  # ...loaded replicated: both ranks need every byte
-        bcp.load(os.path.join(root, "ck"), {"model": ddp, "optimizer": ddp_opt}, share_reads=True)
-        LocalStorage.read_into = real
+        with inject(Fault("read_into", hook=lambda c: reads.append((c.path, c.offset, c.offset + c.nbytes)))):
+            bcp.load(os.path.join(root, "ck"), {"model": ddp, "optimizer": ddp_opt}, share_reads=True)
         if rank == 0:
             assert_same(ref, full_state(ddp, ddp_opt), "fsdp2 -> ddp with shared reads")
         # A second shared load must not see the first one's messages. With a transfer window of one
@@ -56,7 +54,7 @@ def _byte_sharing(rank, root) -> list:
         if rank == 0:
             assert_same(ref, full_state(again, again_opt), "second load with shared reads")
     finally:
-        LocalStorage.read_into, shared_reads._host = real, host
+        shared_reads._host = host
         configure_load(transfer_window_bytes=window, buffer_bytes=budget)
     return [r for r in reads if not r[0].endswith(".json")]
 

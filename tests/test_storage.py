@@ -40,9 +40,13 @@ class FaultyS3:
         self.inflight = {"part": 0, "range": 0}
         self.reset_counts()
 
-    def reset_counts(self):
+    def reset_counts(self, hold_for_overlap: bool = False):
+        """Counts from zero. `hold_for_overlap`: hold the first request of each kind until a second
+        one is in flight (an event: a parallel client overlaps them for sure, however slowly it runs;
+        a sequential one fails after 120 s)."""
         self.max_inflight = {"part": 0, "range": 0}
         self.counts = {"part": 0, "range": 0, "failed": 0}
+        self.holding = hold_for_overlap
 
     def fail(self, status: int, code: str, method: str, key_pattern: str, times: int | None, every: int = 1,
              attempts: int | None = 1):
@@ -107,10 +111,8 @@ class FaultyS3:
             self.inflight[kind] += 1
             self.max_inflight[kind] = max(self.max_inflight[kind], self.inflight[kind])
             self.lock.notify_all()
-            # Hold the first request of a kind until a second one is in flight (or 5 s pass): a
-            # parallel client overlaps them for sure, a sequential one never does.
-            if self.max_inflight[kind] < 2:
-                self.lock.wait_for(lambda: self.max_inflight[kind] >= 2, timeout=5)
+            if self.holding and self.max_inflight[kind] < 2:  # see reset_counts
+                self.lock.wait_for(lambda: self.max_inflight[kind] >= 2, timeout=120)
         try:
             return list(self.app(environ, start_response))
         finally:
@@ -209,7 +211,7 @@ def _save_load_worker(rank, world_size, root, steps, load_world):
 def test_multiprocess_round_trip(kind, tmp_path, request):
     if kind == "s3":
         faults = request.getfixturevalue("s3")
-        faults.reset_counts()
+        faults.reset_counts(hold_for_overlap=True)
         root = f"s3://{BUCKET}/round-trip-{uuid.uuid4().hex[:8]}"
     elif kind == "memory":
         root = f"memory://bcp-test-{uuid.uuid4().hex[:8]}"
@@ -234,6 +236,8 @@ def test_multiprocess_round_trip(kind, tmp_path, request):
                                                                                      faults.max_inflight)
             assert faults.counts["range"] >= 16 and faults.max_inflight["range"] >= 2
     finally:
+        if kind == "s3":
+            faults.reset_counts()  # no more holding
         bst.storage_for(root).remove("")
     assert not bst.storage_for(root).exists("latest")
 

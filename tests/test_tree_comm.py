@@ -18,7 +18,7 @@ import torch
 from bcp_core.comm import Comm, build_tree
 from bcp_core.plan_records import PlanRequest, SaveId, SaveStructure, TensorEntry
 from bcp_core.save_planner import group_entries, merge_plan_messages, plan_message, read_plan_messages
-from dist import run_ranks
+from dist import mark, run_ranks, wait_for_file
 
 WORLD, NODE, FAN_IN = 12, 3, 2
 
@@ -117,12 +117,25 @@ def _tree_vs_flat(rank, world_size, root):
     bcp.load(os.path.join(root, "tree"), target)
     assert torch.equal(target["w"], state["w"]) and target["extra_state"]["rank"] == rank % 2
 
-    # A rank deep in the tree (10, under node leader 9) never comes: every rank names it.
+    # A rank deep in the tree (10, under node leader 9) never comes: every rank names it. Each rank
+    # calls the save once every rank below it in the tree is in it (an event), so that only rank 10 is
+    # missing when a rank above it gives up after the 3 s it tests; the others wait up to 60 s for
+    # the answer naming it.
     os.environ.update(BCP_LOCAL_WORLD_SIZE=str(NODE), BCP_FAN_IN=str(FAN_IN))
     if rank == 10:
         return out
+    for below in range(rank + 1, rank + tree.tree.span[rank]):
+        if below != 10:
+            wait_for_file(os.path.join(root, f"missing_called_{below}"))
+    timeout = timedelta(seconds=3 if rank in tree.tree.ancestors(10) else 60)
     with pytest.raises(bcp.SaveError, match=r"rank\(s\) \[10\] that never arrived"):
-        bcp.save(os.path.join(root, "missing"), state, role="tree-missing", timeout=timedelta(seconds=3))
+        if rank == 0:
+            bcp.save(os.path.join(root, "missing"), state, role="tree-missing", timeout=timeout)
+        else:
+            handle = bcp.save(os.path.join(root, "missing"), state, role="tree-missing", async_save=True,
+                              timeout=timeout)
+            mark(os.path.join(root, f"missing_called_{rank}"))
+            handle.wait()
     return out
 
 

@@ -5,6 +5,11 @@ tensors and back. Built in: `plain`, `ddp`, `dtensor` (FSDP2, TP, HSDP: any DTen
 `fsdp1` (FullyShardedDataParallel, imported on first use). Integrations register their own
 (`bcp_integrations.megatron` registers `megatron`). The older names `fsdp` (= `fsdp1`) and
 `fsdp2` (= `dtensor`) are accepted everywhere.
+
+Adapters of other frameworks are known by name before they are imported (`_LAZY`, as fsspec knows
+its filesystems by protocol): `framework="deepspeed"` imports bcp's DeepSpeed adapter, and so does
+`"auto"` when the state holds an object of a class from the `deepspeed` package. bcp itself never
+imports a training framework.
 """
 
 from __future__ import annotations
@@ -20,7 +25,12 @@ ALIASES = {"fsdp": "fsdp1", "fsdp2": "dtensor"}
 
 _ADAPTERS: dict[str, ModuleAdapter] = {}
 # Adapters in modules of their own, imported on first use (FSDP1's reads torch internals).
-_LAZY = {"fsdp1": "bcp_core.adapters.fsdp1"}
+_LAZY = {"fsdp1": "bcp_core.adapters.fsdp1", "deepspeed": "bcp_integrations.deepspeed.adapter"}
+# Adapters "auto" looks for first, by the top-level package of the classes in the state: an object
+# of that framework in the state imports its adapter (the framework is imported already then).
+_BY_PACKAGE = {"deepspeed": "deepspeed"}
+# Layouts only their own adapter can read or write (flat shards): naming another is an error.
+_EXCLUSIVE = {"fsdp1", "deepspeed"}
 
 
 def register_adapter(adapter: ModuleAdapter) -> ModuleAdapter:
@@ -50,9 +60,17 @@ def get_adapter(name: str) -> ModuleAdapter:
     return _ADAPTERS[name]
 
 
+def _from_package(obj, package: str) -> bool:
+    return any(c.__module__.split(".", 1)[0] == package for c in type(obj).__mro__)
+
+
 def detect_framework(state: dict) -> str:
-    """The most specific layout among the state's modules: fsdp1 > dtensor > ddp > plain."""
+    """The most specific layout among the state's modules: deepspeed > fsdp1 > dtensor > ddp > plain."""
     modules = [v for v in state.values() if isinstance(v, nn.Module)]
+    for package, name in _BY_PACKAGE.items():
+        if any(_from_package(v, package) for v in state.values()) and \
+                any(get_adapter(name).matches(m) for m in modules):
+            return name
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
     if any(isinstance(s, FSDP1) for m in modules for s in m.modules()):
         return "fsdp1"
@@ -71,7 +89,7 @@ def resolve_framework(state: dict, framework: str) -> ModuleAdapter:
         raise BCPError(f"unknown framework {framework!r}; expected one of {', '.join(known_frameworks())}")
     found = detect_framework(state)
     name = found if framework == "auto" else canonical_name(framework)
-    if (found == "fsdp1") != (name == "fsdp1"):
+    if name != found and (name in _EXCLUSIVE or found in _EXCLUSIVE):
         raise BCPError(f"framework={framework!r} but the model's layout is {found!r}; pass "
                        f"framework={found!r} or 'auto'")
     if name in ("plain", "ddp") and found == "dtensor":

@@ -47,6 +47,9 @@ class ModuleAdapter:
     """
 
     name = "plain"
+    # Every rank of the group loads a state of this layout together (a finisher may communicate):
+    # its loads are collective unless the caller says otherwise (share_reads=False).
+    loads_together = False
 
     def matches(self, module: nn.Module) -> bool:
         return True
@@ -57,6 +60,21 @@ class ModuleAdapter:
 
     def load_module_values(self, module: nn.Module, values: dict[str, Any]) -> None:
         unwrap(module).load_state_dict(values, strict=False)
+
+    def after_module_load(self, module: nn.Module) -> None:
+        return None
+
+    def root(self, module: nn.Module) -> nn.Module:
+        """The user's module under this framework's wrappers (its `config` says what model it is)."""
+        return unwrap(module)
+
+    def companions(self, module: nn.Module) -> dict[str, Any]:
+        """Stateful objects the framework keeps beside `module` that a run's state holds too, by
+        name (a DeepSpeed engine's counters: "engine"); see bcp_core.integration.run_state."""
+        return {}
+
+    def is_optimizer(self, obj: Any) -> bool:
+        return isinstance(obj, torch.optim.Optimizer)
 
     def param_fqns(self, module: nn.Module) -> dict[int, str]:
         out: dict[int, str] = {}

@@ -1,7 +1,8 @@
-"""The mapped read: a `Mapping` bound to one checkpoint (`MappedCheckpoint`). It checks every source
-against the declaration, gives the load the metadata it sees (target keys, shapes, the sources'
-dtypes), finds the source byte ranges behind each target box, zeroes what no copy covers, and
-reads the step counter the target optimizer gets.
+"""The mapped read: a `Mapping` (declaration.py) bound to one checkpoint (`MappedCheckpoint`). It checks
+every source against the declaration, gives the load the metadata it sees (target keys, shapes, the
+sources' dtypes), finds the source byte ranges behind each target box, zeroes what no copy covers,
+and reads the step counter the target optimizer gets. Below `declaration.py`: it knows a mapping
+by the fields it reads.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ..errors import BCPError, MappingError
 from ..load_planner import ReadItem, box_read_items
 from ..metadata import CheckpointMetadata, ObjectValue, TensorMeta, read_capped
 from ..shards import Box, intersect, local_tensor
-from .rules import Copy, Mapping, Shape, _inside, _shape_str
+from .rules import Copy, Shape, inside, shape_str
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class MappedCheckpoint:
     """A mapping bound to one checkpoint: `metadata` is what the load sees (target keys), `reads`
     what lies behind each target key's boxes."""
 
-    mapping: Mapping
+    mapping: Any  # a declaration.Mapping
     source: CheckpointMetadata
     storage: Any = None
     check_files: Callable[[str, TensorMeta], None] = lambda fqn, tm: None
@@ -81,7 +82,7 @@ class MappedCheckpoint:
             copies = by_target.get(name, [])
             for out in (name, m.alternatives[name]) if name in m.alternatives else (name,):
                 slots = [(tgt.weight_key(out), src.weight_key)]
-                if with_state and name not in m.weights_only:
+                if with_state and name not in m.weights_only and name not in m.no_state:
                     slots += [(tgt.state_key(out, s), lambda n, s=s: src.state_key(n, s)) for s in tgt.moments]
                     if tgt.master is not None:
                         master = src.master
@@ -90,7 +91,8 @@ class MappedCheckpoint:
                 for key, source_key in slots:
                     dtype = self._add(key, shape, [(c, self._found(source_key(c.source.key))) for c in copies])
                     tensors[key] = TensorMeta(dtype, shape, ())
-            if with_state and name not in m.weights_only and tgt.step is not None and copies:
+            if with_state and name not in m.weights_only and name not in m.no_state and tgt.step is not None \
+                    and copies:
                 key = tgt.step.format(name=name)
                 if src.step is not None:
                     s_key = src.step.format(name=copies[0].source.key)
@@ -132,18 +134,18 @@ class MappedCheckpoint:
             tm = self._source(key, "source")
             if len(tm.shape) != len(shape) or any(s is not None and s != t for s, t in zip(shape, tm.shape)):
                 raise MappingError(f"mapping {m.name!r}: {key!r} has shape {tuple(tm.shape)} in the checkpoint, "
-                                   f"the mapping declares {_shape_str(shape)} (check the model config)")
+                                   f"the mapping declares {shape_str(shape)} (check the model config)")
             out[name] = tuple(tm.shape)
         for c in m.read_copies:
-            _inside(c.source, out[c.source.key], f"mapping {m.name!r}: {m.source_keys.weight_key(c.source.key)!r} "
+            inside(c.source, out[c.source.key], f"mapping {m.name!r}: {m.source_keys.weight_key(c.source.key)!r} "
                                                  f"of shape {out[c.source.key]}")
         return out
 
     def _optimizer_present(self) -> bool:
         """Whether the source holds optimizer state: every parameter's moments, or none at all."""
         m = self.mapping
-        keys = [self._found(m.source_keys.state_key(n, s)) for n in m.sources if n not in m.unread
-                for s in m.source_keys.moments]
+        keys = [self._found(m.source_keys.state_key(n, s)) for n in m.sources
+                if n not in m.unread and n not in m.no_state for s in m.source_keys.moments]
         have = [k for k in keys if k in self.source.tensors]
         if have and len(have) != len(keys):
             missing = sorted(set(keys) - set(have))
@@ -218,7 +220,7 @@ class MappedCheckpoint:
             return None
         if m.source_keys.step is None:
             return self._step()
-        keys = [m.source_keys.step.format(name=n) for n in m.sources if n not in m.unread]
+        keys = [m.source_keys.step.format(name=n) for n in m.sources if n not in m.unread and n not in m.no_state]
         keys = [k for k in keys if k in self.source.tensors and not self.source.tensors[k].shape]
         if not keys:
             return self._step()

@@ -1,17 +1,16 @@
-"""The rules of a declared mapping: `Region` (a box of a parameter), `Copy` (target box := source box),
-`KeyScheme` (how a framework names a parameter and its optimizer state), `Mapping` (every target
-parameter made of source regions, with its exact inverse), and the primitives that build copies
-(`rename`, `stack`, `unstack`, `rows`, `qkv_split`). Applying a mapping to a checkpoint is
-`mapped_read.py`; the declared families are `llama.py` (docs/mapping.md).
+"""The rules a declared mapping is made of: `Region` (a box of a parameter), `Copy` (target box :=
+source box), `KeyScheme` (how a framework names a parameter and its optimizer state), the checks
+of a list of copies, and the primitives that build copies (`rename`, `stack`, `unstack`, `rows`,
+`qkv_split`). The lowest module of the package: `mapped_read.py` (a mapping bound to a checkpoint)
+and `declaration.py` (`Mapping`) build on it (docs/mapping.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from ..errors import MappingError
-from ..metadata import CheckpointMetadata, TensorMeta
 from ..shards import intersect
 
 Shape = tuple  # of int, or None for "any size that holds what is read" (a padded vocabulary)
@@ -101,83 +100,14 @@ def megatron_scheme() -> KeyScheme:
                      common_file="common.pt", common_object="common_state/shard_0_1", state_prefix=r"chained_\d+\.")
 
 
-@dataclass(frozen=True)
-class Mapping:
-    """Target parameters made of source regions. `sources` and `targets` declare every parameter's
-    global shape (None on an axis: any size holding what is read). `weights_only`: target parameters
-    tied to another (one tensor in the model, no optimizer state of their own). `unread`: source
-    parameters tied to another, whose copies are kept for the inverse but not read (the inverse's
-    `weights_only`). `step`: the step counter to give the target optimizer when the source's cannot
-    be read. `alternatives`: parameters some layouts of a framework name otherwise (name -> the
-    other name): a source is read under the other name when the checkpoint has only that one, and a
-    target is offered under both."""
-
-    name: str
-    sources: dict[str, Shape]
-    targets: dict[str, Shape]
-    copies: tuple[Copy, ...]
-    source_keys: KeyScheme
-    target_keys: KeyScheme
-    weights_only: frozenset[str] = frozenset()
-    unread: frozenset[str] = frozenset()
-    step: int | None = None
-    alternatives: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self):
-        for c in self.copies:
-            for side, region, shapes in (("source", c.source, self.sources), ("target", c.target, self.targets)):
-                shape = shapes.get(region.key)
-                if shape is None:
-                    raise MappingError(f"mapping {self.name!r}: {side} {region.key!r} of a copy is not declared")
-                _inside(region, shape, f"mapping {self.name!r}: {side} {region.key!r}")
-        _check_disjoint(self.name, self.read_copies)
-
-    @property
-    def read_copies(self) -> tuple[Copy, ...]:
-        return tuple(c for c in self.copies if c.source.key not in self.unread)
-
-    def inverse(self) -> Mapping:
-        """The mapping back: every copy reversed. A tied target (`weights_only`) becomes an unread
-        source: the parameter it is tied to is read instead. `m.inverse().inverse() == m`."""
-        return Mapping(self.name.removeprefix("inverse of ") if self.name.startswith("inverse of ") else
-                       f"inverse of {self.name}", dict(self.targets), dict(self.sources),
-                       tuple(c.inverse() for c in self.copies), self.target_keys, self.source_keys,
-                       weights_only=self.unread, unread=self.weights_only, step=self.step,
-                       alternatives=dict(self.alternatives))
-
-    def read_as(self, names: dict[str, str]) -> Mapping:
-        """This mapping reading each source parameter `a` of `names` under the name `names[a]`."""
-        def named(r: Region) -> Region:
-            return replace(r, key=names.get(r.key, r.key))
-        return replace(self, sources={names.get(k, k): v for k, v in self.sources.items()},
-                       copies=tuple(Copy(c.target, named(c.source)) for c in self.copies),
-                       unread=frozenset(names.get(k, k) for k in self.unread))
-
-    def with_step(self, step: int) -> Mapping:
-        """This mapping, handing the target optimizer `step` when the source's step cannot be read."""
-        return replace(self, step=step)
-
-    def with_keys(self, source_keys: KeyScheme | None = None, target_keys: KeyScheme | None = None) -> Mapping:
-        return replace(self, source_keys=source_keys or self.source_keys, target_keys=target_keys or self.target_keys)
-
-    def bind(self, md: CheckpointMetadata, storage=None,
-             check_files: Callable[[str, TensorMeta], None] = lambda fqn, tm: None,
-             optimizer: bool = True):
-        """This mapping applied to the checkpoint `md` (in `storage`), a `MappedCheckpoint`: the metadata
-        the load sees (target keys, shapes, dtypes) and the source byte ranges behind each target box.
-        Checks every source against the declaration first. `optimizer=False`: the weights only (an export)."""
-        from .mapped_read import MappedCheckpoint  # the layer that reads; it imports this one
-        return MappedCheckpoint(self, md, storage, check_files, optimizer)
-
-
-def _inside(region: Region, shape: Shape, what: str) -> None:
+def inside(region: Region, shape: Shape, what: str) -> None:
     if len(shape) != len(region.offsets) or any(
             s is not None and o + n > s for o, n, s in zip(region.offsets, region.lengths, shape)):
         raise MappingError(f"{what}: box at {list(region.offsets)} of lengths {list(region.lengths)} does not lie "
-                           f"in its declared shape {_shape_str(shape)}")
+                           f"in its declared shape {shape_str(shape)}")
 
 
-def _check_disjoint(name: str, copies: Iterable[Copy]) -> None:
+def check_disjoint(name: str, copies: Iterable[Copy]) -> None:
     """No target element has two sources."""
     by_key: dict[str, list[Region]] = {}
     for c in copies:
@@ -193,7 +123,7 @@ def _check_disjoint(name: str, copies: Iterable[Copy]) -> None:
                                        f"{list(b.offsets)} from two sources; they overlap")
 
 
-def _shape_str(shape: Shape) -> str:
+def shape_str(shape: Shape) -> str:
     return "(" + ", ".join("*" if s is None else str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
 
 

@@ -4,7 +4,8 @@
   and process-wide I/O settings (`configure_storage`, `set_storage_options`);
 - `retry`: which failures are transient, and the backoff every remote request goes through;
 - `local`: `LocalStorage` (`/dir`, `file:///dir`); `memory`: `MemoryStorage` (`memory://name`, tmpfs);
-- `fsspec`: `FsspecStorage`, every other scheme (`s3://`, `gs://`, `hdfs://`, ...).
+- `fsspec`: `FsspecStorage`, every other scheme (`s3://`, `gs://`, `hdfs://`, ...);
+- `faults`: storage that fails on demand, for tests (`inject(Fault(...))`, docs/reliability.md).
 
 docs/storage.md describes configuration and how to add a backend.
 """

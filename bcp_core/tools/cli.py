@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "into OUT so that from_pretrained(OUT) works")
     p.add_argument("--mapping", choices=list(convert.MAPPINGS),
                    help="write another framework's checkpoint as the Hugging Face model --config describes "
-                        "(megatron-to-hf: a Megatron-core GPTModel as a Llama-family model; docs/mapping.md)")
+                        "(megatron-to-hf: a Megatron-core GPTModel or HybridModel as the Hugging Face model of "
+                        "a declared family; docs/mapping.md)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="decode pickled values (only for --to torch without --model-only; runs code from "
                         "the checkpoint: only for checkpoints you trust)")

@@ -137,8 +137,8 @@ def export_checkpoint(path: str, out: str, to: str = "hf", model_only: bool | No
     writes a Megatron-core checkpoint as the Hugging Face model the config describes: each block of
     a Hugging Face tensor is read from the source regions the declared mapping names (the rows of
     `linear_qkv` for a block of `q_proj`...), padding dropped, tied weights written once; the experts
-    of an MoE model (Mixtral, Qwen2-MoE, Qwen3-MoE) one tensor per expert and projection, as Hugging
-    Face files hold them.
+    of an MoE model one tensor per expert and projection, and multi-token prediction layers as layers
+    L + k, as Hugging Face files hold them (bcp_core.mapping.decoder.megatron_to_hf_files).
     """
     st, md = open_checkpoint(path)
     rules = parse_rules(rename)
@@ -164,7 +164,8 @@ def export_checkpoint(path: str, out: str, to: str = "hf", model_only: bool | No
 def _mapped_entries(st: Storage, md: CheckpointMetadata, mapping: str, config: str | None,
                     cast: torch.dtype | None) -> tuple[Any, list[ExportEntry]]:
     """The checkpoint seen through the declared mapping, and the Hugging Face tensors to write."""
-    from ..mapping import MappingError, megatron_to_hf
+    from ..mapping import MappingError
+    from ..mapping.decoder import megatron_to_hf_files
     if mapping not in MAPPINGS:
         raise ToolError(f"unknown mapping {mapping!r}; declared: {', '.join(MAPPINGS)}")
     if not config:
@@ -177,9 +178,7 @@ def _mapped_entries(st: Storage, md: CheckpointMetadata, mapping: str, config: s
     if md.framework != "megatron":
         raise ToolError(f"--mapping {mapping}: {st.root} was saved by {md.framework!r}, not by Megatron")
     try:
-        # experts one nn.Linear each: the layout of Hugging Face files, which save_pretrained writes and every
-        # transformers release's from_pretrained reads (5.x fuses them on load)
-        m = megatron_to_hf(cfg, experts="per_expert")
+        m = megatron_to_hf_files(cfg, md.tensors)
         mapped = m.bind(md, st, lambda fqn, tm: check_file_sizes(md, st.size, [(f"tensor {fqn!r}", tm.pieces)],
                                                                  st.root), optimizer=False)
     except MappingError as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..foreign import foreign_format
 from ..metadata import CHECKSUM_ALGORITHM, Piece, TensorMeta
 from ..utils import human_bytes
 from .read import box_str, open_checkpoint, sections
@@ -63,6 +64,7 @@ def inspect_checkpoint(path: str) -> dict:
     by_section = sections(md.keys())
     return {
         "path": st.root, "format_version": md.version, "world_size": md.world_size, "framework": md.framework,
+        "read_as_it_is": foreign_format(st),
         "checksum": {"algorithm": CHECKSUM_ALGORITHM, "block_bytes": md.checksum_block_bytes},
         "total_tensor_bytes": sum(t["nbytes"] for t in tensors.values()),
         "files": [{"path": f, "piece_bytes": b} for f, b in zip(md.files, file_bytes)],
@@ -79,8 +81,9 @@ def inspect_checkpoint(path: str) -> dict:
 def format_inspect(rep: dict, show_pieces: bool = False) -> str:
     lines = [
         f"checkpoint   {rep['path']}",
-        f"format       bcp v{rep['format_version']}, saved by {rep['world_size']} rank(s), "
-        f"framework {rep['framework'] or '?'}",
+        (f"format       {rep['read_as_it_is']}'s own files, read as they are (bcp metadata built from them), "
+         if rep.get("read_as_it_is") else f"format       bcp v{rep['format_version']}, ")
+        + f"saved by {rep['world_size']} rank(s), framework {rep['framework'] or '?'}",
         f"tensors      {len(rep['tensors'])} ({human_bytes(rep['total_tensor_bytes'])}) in {len(rep['files'])} "
         f"data file(s); {rep['checksum']['algorithm']} per {human_bytes(rep['checksum']['block_bytes'])} block",
         "sections     " + ", ".join(f"{s} ({n})" for s, n in rep["sections"].items()),

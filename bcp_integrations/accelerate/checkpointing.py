@@ -13,8 +13,10 @@ from accelerate import Accelerator
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import bcp_core as bcp
+from bcp_core import integration
 from bcp_core.dataloader import checkpointable
-from bcp_core.layout import StepNaming, prune, resolve
+from bcp_core.integration import run_state
+from bcp_core.layout import StepNaming, resolve
 from bcp_core.rng import rng_state, set_rng_state
 
 log = logging.getLogger("bcp")
@@ -54,7 +56,7 @@ class BCPAccelerateCheckpointer:
         self.accelerator = accelerator
         self.async_save = async_save
         self.num_threads = num_threads
-        self.last_save: bcp.SaveHandle | None = None
+        self.pending = integration.PendingSave()
         self.preemption: bcp.Preemption | None = bcp.handle_preemption() if preemption else None
         self._real: dict[str, Any] | None = None
         self._total_limit: int | None = None  # the project's, hidden from Accelerate during a call
@@ -68,15 +70,9 @@ class BCPAccelerateCheckpointer:
         accelerator.end_training = self._wrap_end(accelerator.end_training)
 
     def wait(self) -> None:
-        handle, self.last_save = self.last_save, None
-        if handle is None:
-            return
-        try:
-            handle.wait()
-        except bcp.CommitCallbackError as e:
-            # Committed on every process; only this one's rotation after it failed. Raising here, on
-            # one process alone, would leave the others waiting for it in the next save.
-            log.error("bcp: %s", e)
+        """Block until the last save is committed (its failure re-raised; a failure of this process's
+        rotation after the commit only logged: see `bcp_core.integration.PendingSave`)."""
+        self.pending.wait()
 
     def stop_requested(self) -> bool:
         """Call once per step on every process: True on all of them at the same step once any
@@ -161,7 +157,7 @@ class BCPAccelerateCheckpointer:
         acc = self.accelerator
         if self._real is not None:  # inside a save_state/load_state call: nothing steps there
             return
-        mine = [_unwrap(o) for o in acc._optimizers]
+        mine = [integration.unwrapped(o) for o in acc._optimizers]
         if not any(optimizer is o for o in mine):
             return
         self._stepped.add(id(optimizer))
@@ -185,9 +181,12 @@ class BCPAccelerateCheckpointer:
         acc = self.accelerator
         if acc.project_configuration.automatic_checkpoint_naming and self._total_limit is not None \
                 and acc.is_main_process:
-            rotate = functools.partial(_rotate, os.path.dirname(output_dir), self._total_limit)
-        self.last_save = bcp.save(output_dir, state, async_save=self.async_save, num_threads=self.num_threads,
-                                  on_commit=rotate)
+            root, limit = os.path.dirname(output_dir), self._total_limit
+
+            def rotate(committed: str) -> None:  # the save's on_commit, once it is committed
+                integration.rotate(root, limit, ACCELERATE_STEPS, why=f"total_limit={limit}: after {committed}")
+        self.pending.start(bcp.save(output_dir, state, async_save=self.async_save, num_threads=self.num_threads,
+                                    on_commit=rotate))
         weights.clear()  # Accelerate's own model files
 
     def _load_hook(self, models, input_dir) -> None:
@@ -256,41 +255,13 @@ def _install_skips() -> None:
 
 # ----------------------------------------------------------------------------- helpers
 
-def _rotate(root: str, total_limit: int, committed: str) -> None:
-    """`total_limit` applied to `root` once `committed` is (the save's on_commit, main process): the
-    newest `total_limit` committed checkpoint_<n> folders stay, older ones and the leftovers of
-    failed saves go (`bcp_core.layout.prune`). Errors are logged, never raised: the checkpoint is
-    committed."""
-    try:
-        failed = prune(root, max(total_limit, 1), naming=ACCELERATE_STEPS).failed
-    except Exception as e:  # noqa: BLE001 - see above
-        failed = (("", str(e)),)
-    for name, why in failed:
-        log.warning("bcp: total_limit=%d: after %s was committed, could not remove %s under %s: %s", total_limit,
-                    committed, name or "the old checkpoints", root, why)
-
-
 def _objects_state(real: dict[str, Any]) -> dict[str, Any]:
-    """Models, optimizers, schedulers, custom objects and the scaler as bcp state keys."""
-    state: dict[str, Any] = {}
-    for kind, name in (("_models", "model"), ("_optimizers", "optimizer"), ("_schedulers", "scheduler"),
-                       ("_custom_objects", "custom")):
-        for i, obj in enumerate(real[kind]):
-            state[name if i == 0 else f"{name}_{i}"] = _unwrap(obj)
-    if real["scaler"] is not None:
-        state["scaler"] = real["scaler"]
+    """Models as prepared (DDP, FSDP, a DeepSpeed engine with its counters), optimizers and
+    schedulers unwrapped, custom objects and the scaler, as bcp state keys."""
+    state = run_state(real["_models"], real["_optimizers"], real["_schedulers"], real["scaler"], rng=False)
+    for i, obj in enumerate(real["_custom_objects"]):
+        state["custom" if i == 0 else f"custom_{i}"] = obj
     return state
-
-
-def _unwrap(obj):
-    """The torch optimizer / scheduler under Accelerate's wrappers; models stay wrapped (DDP/FSDP)."""
-    from accelerate.optimizer import AcceleratedOptimizer
-    from accelerate.scheduler import AcceleratedScheduler
-    if isinstance(obj, AcceleratedOptimizer):
-        return obj.optimizer
-    if isinstance(obj, AcceleratedScheduler):
-        return obj.scheduler
-    return obj
 
 
 def _loader_position(dl) -> dict[str, Any]:

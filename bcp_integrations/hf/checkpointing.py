@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 from typing import Any
 
 import torch
@@ -24,8 +25,8 @@ from transformers.utils import (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME,
 import bcp_core as bcp
 from bcp_core import metrics
 from bcp_core.dataloader import checkpointable
+from bcp_core.integration import restore_rng, run_state
 from bcp_core.layout import HF_STEPS, latest_complete, list_checkpoints
-from bcp_core.rng import rng_state, set_rng_state
 from bcp_core.utils import this_rank
 
 log = logging.getLogger("bcp")
@@ -159,15 +160,14 @@ class BCPCallback(TrainerCallback):
 
     @staticmethod
     def _state_to_save(state, model, optimizer, lr_scheduler, scaler, dataloader) -> dict[str, Any]:
-        bstate: dict[str, Any] = {"model": model, "optimizer": _unwrap(optimizer),
-                                  "extra_state": {"rng": rng_state()}}
+        bstate = run_state([model], [optimizer], [lr_scheduler], scaler)
         if dataloader is not None:
             bstate["dataloader"] = dataloader
-        if lr_scheduler is not None:
-            bstate["scheduler"] = _unwrap(lr_scheduler, "scheduler")
-        if scaler is not None:
-            bstate["scaler"] = scaler
-        bstate["trainer_state"] = json.dumps(dataclasses.asdict(state), sort_keys=True)
+        # the same on every rank: the timings `on_log` adds to the history are each rank's own
+        fields = dataclasses.asdict(state)
+        fields["log_history"] = [{k: v for k, v in entry.items() if not k.startswith(metrics.SCALAR_PREFIX)}
+                                 for entry in fields["log_history"]]
+        bstate["trainer_state"] = json.dumps(fields, sort_keys=True)
         return bstate
 
     def wait(self) -> None:
@@ -229,7 +229,11 @@ class BCPTrainerMixin:
             resume_from_checkpoint = last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"no committed bcp checkpoint in {self.args.output_dir}")
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        _resuming.trainer = self
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            _resuming.trainer = None
 
     def _save_checkpoint(self, model, trial) -> None:
         run_dir = self._get_output_dir(trial=trial)
@@ -264,14 +268,11 @@ class BCPTrainerMixin:
             return
         self.bcp.wait()
         keys = bcp.inspect(checkpoint).keys()
-        state: dict[str, Any] = {"model": self.model_wrapped}
-        if any(k.startswith("optimizer.") for k in keys):
-            state["optimizer"] = _unwrap(self.optimizer)
-        if self.lr_scheduler is not None and any(k.startswith("scheduler.") for k in keys):
-            state["scheduler"] = _unwrap(self.lr_scheduler, "scheduler")
-        scaler = getattr(self.accelerator, "scaler", None)
-        if scaler is not None and any(k.startswith("scaler.") for k in keys):
-            state["scaler"] = scaler
+        full = run_state([self.model_wrapped], [self.optimizer], [self.lr_scheduler],
+                         getattr(self.accelerator, "scaler", None), rng=False)
+        # what the checkpoint holds (a checkpoint saved without optimizer leaves it as it is)
+        state = {name: obj for name, obj in full.items()
+                 if name == "model" or any(k.startswith(name + ".") for k in keys)}
         if self.bcp_train_dataloader is not None:
             if "dataloader.format" not in keys:
                 raise bcp.KeyMismatchError(f"{checkpoint} holds no dataloader state: it was saved without a "
@@ -287,8 +288,7 @@ class BCPTrainerMixin:
             return
         state: dict[str, Any] = {"extra_state": {}}
         bcp.load(checkpoint, state, strict=False)
-        if "rng" in state["extra_state"]:
-            set_rng_state(state["extra_state"]["rng"])
+        restore_rng(state)
 
     def _load_best_model(self) -> None:
         self.bcp.wait()
@@ -354,6 +354,36 @@ def _guard_plain_trainer_resume() -> None:
 
 _guard_plain_trainer_resume()
 
+_resuming = threading.local()  # .trainer: the BCPTrainerMixin whose train() is running in this thread
+
+
+def _guard_deepspeed_resume() -> None:
+    """Under DeepSpeed the Trainer resumes through ``transformers.integrations.deepspeed
+    .deepspeed_load_checkpoint`` (DeepSpeed's own ``global_step*`` folders) instead of
+    ``_load_from_checkpoint``. Wrapped once, in the module the Trainer calls it from: for a bcp
+    checkpoint it does nothing inside a BCPTrainerMixin's ``train()`` (the mixin's
+    ``_load_optimizer_and_scheduler``, which the Trainer calls next, loads the engine's model,
+    ZeRO optimizer, scheduler and counters together) and raises the one-line "use BCPTrainer"
+    error for a plain Trainer; for any other checkpoint it calls DeepSpeed's load."""
+    import transformers.trainer as trainer_module
+    original = getattr(trainer_module, "deepspeed_load_checkpoint", None)
+    if original is None or getattr(original, "_bcp_guard", False):
+        return
+
+    @functools.wraps(original)
+    def deepspeed_load_checkpoint(engine, checkpoint_path, *args, **kwargs):
+        if _is_bcp_checkpoint_only(checkpoint_path):
+            if getattr(_resuming, "trainer", None) is None:
+                raise ValueError(_resume_needs_mixin_message(checkpoint_path))
+            return None
+        return original(engine, checkpoint_path, *args, **kwargs)
+
+    deepspeed_load_checkpoint._bcp_guard = True
+    trainer_module.deepspeed_load_checkpoint = deepspeed_load_checkpoint
+
+
+_guard_deepspeed_resume()
+
 
 def last_checkpoint(output_dir: str) -> str | None:
     """The newest ``checkpoint-<step>`` under `output_dir` that bcp committed (None if none)."""
@@ -379,12 +409,6 @@ def export_pretrained(checkpoint: str, output_dir: str, model=None, model_class=
 
 
 # ----------------------------------------------------------------------------- helpers
-
-def _unwrap(obj, attr: str = "optimizer"):
-    """The torch optimizer / scheduler under Accelerate's AcceleratedOptimizer / AcceleratedScheduler."""
-    inner = getattr(obj, attr, None)
-    return inner if inner is not None and hasattr(inner, "state_dict") else obj
-
 
 def _unwrap_model(model):
     while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):

@@ -15,11 +15,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import CheckpointIO
-from lightning.pytorch.strategies import (DDPStrategy, FSDPStrategy, ModelParallelStrategy,
+from lightning.pytorch.strategies import (DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy,
                                           SingleDeviceStrategy, Strategy)
 from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose
 from lightning.pytorch.trainer.states import TrainerFn
@@ -28,8 +27,9 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 import bcp_core as bcp
 from bcp_core import codec, metrics
 from bcp_core.dataloader import loadable_loader_state, saved_loader_state
-from bcp_core.layout import BCP_STEPS
-from bcp_core.metadata import METADATA_FILE, TRACKER_FILE, parse_json
+from bcp_core.integration import companions
+from bcp_core.layout import remove_checkpoint, remove_superseded
+from bcp_core.metadata import parse_json
 from bcp_core.rng import rng_state, set_rng_state
 
 log = logging.getLogger("bcp")
@@ -37,7 +37,7 @@ log = logging.getLogger("bcp")
 # Keys of Lightning's checkpoint dict that bcp replaces with the live model and optimizers.
 _TENSOR_KEYS = ("state_dict", "optimizer_states")
 # Strategies whose `model` / `optimizers` bcp knows how to read on every rank.
-SUPPORTED_STRATEGIES = (DDPStrategy, ModelParallelStrategy, FSDPStrategy, SingleDeviceStrategy)
+SUPPORTED_STRATEGIES = (DDPStrategy, ModelParallelStrategy, FSDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy)
 
 
 class BCPCheckpointIO(CheckpointIO):
@@ -110,7 +110,7 @@ class BCPCheckpointIO(CheckpointIO):
             self.wait()
         elif self._after_commit is not None and self._after_commit.defer(path):
             return  # removed once the save in flight is committed
-        _remove(path)
+        remove_checkpoint(path)
 
     def teardown(self) -> None:
         self.wait()
@@ -210,6 +210,8 @@ class BCPCheckpointIO(CheckpointIO):
         if has_optimizers:
             for i, opt in enumerate(strategy.optimizers):
                 state[f"optimizer_{i}"] = opt
+            state.update({k: v for k, v in companions([strategy.model], state).items()
+                          if any(key.startswith(k + ".") for key in keys)})
         if "extra_state.rng.torch" in keys:
             state["extra_state"] = {}
         for name in {k.split(".", 1)[0] for k in keys if _LOADER_KEY.match(k.split(".", 1)[0])}:
@@ -383,40 +385,18 @@ class _AfterCommit:
     def __call__(self, checkpoint_dir: str) -> None:
         with self._lock:
             removals, self.removals, self.committed = self.removals, [], True
-        try:
-            fs = get_filesystem(self.path)
-            for entry in _superseded(fs, self.path, posixpath.basename(checkpoint_dir.rstrip("/"))):
-                fs.rm(entry, recursive=True)
+        try:  # the previous save to this path: what the committed one replaces
+            failed = remove_superseded(self.path, posixpath.basename(checkpoint_dir.rstrip("/"))).failed
         except Exception as e:  # noqa: BLE001 - see the class doc
-            log.warning("bcp: could not remove the previous checkpoint in %s after %s was committed: %s",
-                        self.path, checkpoint_dir, e)
+            failed = (("", f"{type(e).__name__}: {e}"),)
+        for name, error in failed:
+            log.warning("bcp: could not remove the previous checkpoint %s in %s after %s was committed: %s",
+                        name, self.path, checkpoint_dir, error)
         for path in removals:
             try:
-                _remove(path)
+                remove_checkpoint(path)
             except Exception as e:  # noqa: BLE001 - see the class doc
                 log.warning("bcp: could not remove %s after %s was committed: %s", path, checkpoint_dir, e)
-
-
-def _superseded(fs, path: str, committed: str) -> list[str]:
-    """What `path` holds from before the checkpoint just committed in it: the previous save to this
-    path (its step directory, or, in the layout of bcp before step directories, the checkpoint's
-    files themselves: their metadata first, so the tracker takes over at once). The tracker and
-    step directories of later steps (a next save to this path that the other ranks have begun)
-    stay."""
-    def name(entry: str) -> str:
-        return posixpath.basename(entry.rstrip("/"))
-
-    def older(entry: str) -> bool:
-        step = BCP_STEPS.step_of(name(entry))
-        return name(entry) != TRACKER_FILE and (step is None or step < BCP_STEPS.step_of(committed))
-
-    return sorted(filter(older, fs.ls(path, detail=False)), key=lambda e: name(e) != METADATA_FILE)
-
-
-def _remove(path: str) -> None:
-    fs = get_filesystem(path)
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
 
 
 def _discard_failed(path: str | None) -> None:
@@ -425,7 +405,7 @@ def _discard_failed(path: str | None) -> None:
     if path is None or _is_bcp_checkpoint(path):
         return  # a previous checkpoint stays; its failed step directory is cleared by the next commit there
     try:
-        _remove(path)
+        remove_checkpoint(path)
     except Exception as e:  # noqa: BLE001 - the save's own error is the one raised
         log.warning("bcp: could not remove %s after its save failed: %s", path, e)
 
@@ -507,6 +487,7 @@ def _bcp_state(strategy: Strategy, checkpoint: dict[str, Any]) -> tuple[dict[str
     if "optimizer_states" in checkpoint:  # absent for save_weights_only
         for i, opt in enumerate(strategy.optimizers):
             state[f"optimizer_{i}"] = opt
+        state.update(companions([strategy.model], state))  # a DeepSpeed engine's counters
     rest = {k: v for k, v in checkpoint.items() if k not in _TENSOR_KEYS}
     return state, _move_loader_states(strategy, rest, state)
 

@@ -136,13 +136,11 @@ def merge_factories(loaded: dict, factories: dict) -> dict:
     return loaded
 
 
-# ----------------------------------------------------------------------------- save
+# ----------------------------------------------------------------------------- the walk save and load share
 
-def save_state(sharded_state_dict: dict) -> dict:
-    """The bcp state (flat, FQN = Megatron key) for saving a sharded state dict (factories built)."""
-    boxes: dict[str, list[Box]] = {}
-    shape_of: dict[str, tuple] = {}
-    state: dict[str, Any] = {}
+def _leaves(sharded_state_dict: dict):
+    """(path, leaf) of a sharded state dict whose factories are built, LocalNonpersistentObjects left out
+    (never saved; a load hands back their local value)."""
     for path, v in iter_leaves(sharded_state_dict):
         if isinstance(v, ShardedTensorFactory):
             raise BCPError(f"{_where(path)}: ShardedTensorFactory {v.key!r} was not built; call "
@@ -151,47 +149,68 @@ def save_state(sharded_state_dict: dict) -> dict:
             continue
         if isinstance(v, ShardedTensor):
             _check_flat(v)
+        yield path, v
+
+
+class _Keys:
+    """The bcp keys one rank's leaves use: each must name one global thing (a tensor's shape and dtype, an
+    object, a value), and a tensor key gathers the boxes of its leaves into one ShardedView."""
+
+    def __init__(self):
+        self.what: dict[str, tuple] = {}
+        self.boxes: dict[str, list[Box]] = {}
+
+    def claim(self, key: str, what: tuple, path: Path) -> None:
+        prev = self.what.setdefault(key, what)
+        if prev != what:
+            raise BCPError(f"key {key!r} is used on rank {this_rank()} for different things: {prev} and {what} "
+                           f"(second at {_where(path)})")
+
+    def box(self, key: str, gshape: tuple, dtype: torch.dtype, box: Box, path: Path) -> None:
+        self.claim(key, (gshape, dtype), path)
+        self.boxes.setdefault(key, []).append(box)
+
+    def views(self) -> dict[str, ShardedView]:
+        """One ShardedView per tensor key; a box held twice (shared or tied weights listed twice) once."""
+        out = {}
+        for key, boxes in self.boxes.items():
+            gshape, dtype = self.what[key]
+            unique, seen = [], set()
+            for b in boxes:
+                if (b.offsets, b.lengths) not in seen:
+                    seen.add((b.offsets, b.lengths))
+                    unique.append(b)
+            out[key] = ShardedView(gshape, dtype, unique)
+        return out
+
+
+# ----------------------------------------------------------------------------- save
+
+def save_state(sharded_state_dict: dict) -> dict:
+    """The bcp state (flat, FQN = Megatron key) for saving a sharded state dict (factories built)."""
+    keys = _Keys()
+    state: dict[str, Any] = {}
+    for path, v in _leaves(sharded_state_dict):
+        if isinstance(v, ShardedTensor):
             if v.data is None:
                 raise BCPError(f"ShardedTensor {v.key!r} at {_where(path)} on rank {this_rank()} has no data")
-            _claim(shape_of, v.key, (tuple(v.global_shape), v.dtype), path)
             if v.data.dtype != v.dtype:
                 raise ShapeMismatchError(f"ShardedTensor {v.key!r} on rank {this_rank()}: data dtype "
                                          f"{v.data.dtype} differs from its dtype {v.dtype}")
-            boxes.setdefault(v.key, []).append(box_of(v, v.data.detach()))
+            keys.box(v.key, tuple(v.global_shape), v.dtype, box_of(v, v.data.detach()), path)
         elif isinstance(v, ShardedObject):
             if not is_main_replica(v.replica_id):
                 # Unlike tensor replicas, object replicas may differ (e.g. per-TP-rank extra state);
                 # Megatron keeps the main one, and so must we, or the planner sees a conflict.
                 continue
-            _claim(shape_of, v.unique_key, ("object",), path)
+            keys.claim(v.unique_key, ("object",), path)
             state[v.unique_key] = ObjectShard(_encode_object(v.data), tuple(v.global_offset),
                                               tuple(v.global_shape))
         else:
             key = ".".join(map(str, path))
-            _claim(shape_of, key, ("value",), path)
+            keys.claim(key, ("value",), path)
             state[key] = v
-    for key, bs in boxes.items():
-        gshape, dtype = shape_of[key]
-        state[key] = ShardedView(gshape, dtype, _dedup_local(bs))
-    return state
-
-
-def _claim(seen: dict, key: str, what: tuple, path: Path) -> None:
-    """Every leaf of one key on this rank must describe the same global thing."""
-    prev = seen.setdefault(key, what)
-    if prev != what:
-        raise BCPError(f"key {key!r} is used on rank {this_rank()} for different things: {prev} and {what} "
-                       f"(second at {_where(path)})")
-
-
-def _dedup_local(boxes: list[Box]) -> list[Box]:
-    """A rank holding the same box twice (shared/tied weights listed twice) saves it once."""
-    out, seen = [], set()
-    for b in boxes:
-        if (b.offsets, b.lengths) not in seen:
-            seen.add((b.offsets, b.lengths))
-            out.append(b)
-    return out
+    return {**state, **keys.views()}
 
 
 # ----------------------------------------------------------------------------- load
@@ -234,16 +253,9 @@ def load_state(sharded_state_dict: dict, saved_shapes: dict[str, tuple] | None =
     place by `LoadPlan.result` (torch_dist casts too: a bf16 model loads an fp32 checkpoint).
     """
     plan = LoadPlan({})
-    boxes: dict[str, list[Box]] = {}
-    shape_of: dict[str, tuple] = {}
-    for path, v in iter_leaves(sharded_state_dict):
-        if isinstance(v, ShardedTensorFactory):
-            raise BCPError(f"{_where(path)}: ShardedTensorFactory {v.key!r} was not built; call "
-                           "build_factories first")
-        if isinstance(v, LocalNonpersistentObject):
-            continue
+    keys = _Keys()
+    for path, v in _leaves(sharded_state_dict):
         if isinstance(v, ShardedTensor):
-            _check_flat(v)
             # detach: parameters require grad, and loading writes into their storage in place
             data = v.data.detach() if v.data is not None else torch.empty(v.local_shape, dtype=v.dtype)
             plan.tensors[path] = data
@@ -260,10 +272,9 @@ def load_state(sharded_state_dict: dict, saved_shapes: dict[str, tuple] | None =
                 gshape, box = _clip(box, saved_shapes[v.key], data)
                 if box is None:
                     continue
-            _claim(shape_of, v.key, (gshape, dtype), path)
-            boxes.setdefault(v.key, []).append(box)
+            keys.box(v.key, gshape, dtype, box, path)
         elif isinstance(v, ShardedObject):
-            _claim(shape_of, v.unique_key, ("object",), path)
+            keys.claim(v.unique_key, ("object",), path)
             shard = ObjectShard(None, tuple(v.global_offset), tuple(v.global_shape))
             plan.state[v.unique_key] = shard
             plan.objects[path] = (v.unique_key, shard)
@@ -271,9 +282,7 @@ def load_state(sharded_state_dict: dict, saved_shapes: dict[str, tuple] | None =
             key = ".".join(map(str, path))
             plan.state[key] = v
             plan.values[path] = key
-    for key, bs in boxes.items():
-        gshape, dtype = shape_of[key]
-        plan.state[key] = ShardedView(gshape, dtype, _dedup_local(bs))
+    plan.state.update(keys.views())
     return plan
 
 

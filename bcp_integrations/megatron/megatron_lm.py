@@ -21,7 +21,14 @@ dist_checkpointing. So rather than touching each of those places:
 4. the distributed optimizer's `fully_reshardable` state (`--dist-ckpt-optim-fully-reshardable`) is
    saved gather-free (`optimizer.fully_reshardable_param_state`), which also avoids Megatron's own
    save of that layout misplacing the state of every parameter after a padded bucket boundary
-   (docs/megatron.md, "Distributed optimizer"). Megatron's own loader reads it.
+   (docs/megatron.md, "Distributed optimizer"). Megatron's own loader reads it;
+5. a resume at another expert-parallel size works in Megatron-LM's own `load_checkpoint`, whichever
+   format saved: the loaded optimizer state is regrouped for the run's chain of optimizers
+   (`optimizer.chained_optimizer_state`: EP>1 chains a second DistributedOptimizer for the experts,
+   EP=1 does not) before Megatron hands it to `optimizer.load_state_dict`, and the RNG state is
+   ignored with a message, as Megatron ignores it when TP or PP change (its tracker holds the
+   expert-parallel RNG of each EP rank; 0.16-0.18 also shard the RNG state by DP rank at EP>1 only,
+   so a resume across EP=1 would ask for shards the checkpoint lacks).
 """
 
 from __future__ import annotations
@@ -86,6 +93,7 @@ def enable_megatron_lm() -> None:
 
     arguments.add_megatron_arguments = add_megatron_arguments
     _save_fully_reshardable_gather_free()
+    _resume_at_another_expert_parallel_size()
     _state["enabled"] = True
 
 
@@ -103,3 +111,66 @@ def _save_fully_reshardable_gather_free() -> None:
         return original(self, model_sharded_state_dict, is_loading, metadata)
 
     DistributedOptimizer.sharded_param_state_fully_reshardable = sharded_param_state_fully_reshardable
+
+
+def _resume_at_another_expert_parallel_size() -> None:
+    """Megatron-LM's `load_checkpoint` (in `checkpointing`, and where `training` imported it), made to
+    resume at another EP (module docstring, 5): while it runs, the optimizer it loads takes the state
+    regrouped for its own chain, and its first read of the checkpoint (the common state, `rank0=True`)
+    tells whether EP changed, which turns the RNG state's load off for this call."""
+    from megatron.training import checkpointing, training
+
+    from .optimizer import chained_optimizer_state
+    original_load = checkpointing.load_checkpoint
+    original_base = checkpointing._load_base_checkpoint
+    loading: list[dict] = []  # the load_checkpoint calls under way (a stack: it is not re-entered in practice)
+
+    def _load_base_checkpoint(load_dir, args, rank0=False, *rest, **kwargs):
+        result = original_base(load_dir, args, rank0, *rest, **kwargs)
+        state_dict = result[0] if isinstance(result, tuple) else None
+        if rank0 and loading and isinstance(state_dict, dict) and not args.no_load_rng:
+            saved = getattr(state_dict.get("args"), "expert_model_parallel_size", None)
+            if saved is not None and saved != args.expert_model_parallel_size:
+                from megatron.training.utils import print_rank_0
+                print_rank_0(f"expert-parallel size changed at resume ({args.expert_model_parallel_size} vs {saved} "
+                             "from checkpoint): RNG state will be ignored")
+                args.no_load_rng = True
+                loading[-1]["restore_no_load_rng"] = args
+        return result
+
+    def load_checkpoint(ddp_model, optimizer, *rest, **kwargs):
+        call: dict = {}
+        loading.append(call)
+        regroup = optimizer is not None and callable(getattr(optimizer, "load_state_dict", None))
+        if regroup:
+            own = optimizer.load_state_dict
+
+            def load_state_dict(state_dict):
+                if _distributed_optimizer_state(state_dict):
+                    state_dict = chained_optimizer_state(optimizer, state_dict)
+                return own(state_dict)
+            optimizer.load_state_dict = load_state_dict  # this call only: an attribute over the method
+        try:
+            return original_load(ddp_model, optimizer, *rest, **kwargs)
+        finally:
+            loading.pop()
+            if regroup:
+                del optimizer.load_state_dict
+            if "restore_no_load_rng" in call:
+                call["restore_no_load_rng"].no_load_rng = False
+
+    checkpointing._load_base_checkpoint = _load_base_checkpoint
+    for module in (checkpointing, training):
+        if getattr(module, "load_checkpoint", None) is original_load:
+            module.load_checkpoint = load_checkpoint
+
+
+def _distributed_optimizer_state(state_dict) -> bool:
+    """Whether `state_dict` is a dist checkpoint's state of a DistributedOptimizer or a chain of them (what
+    `chained_optimizer_state` regroups): its param groups under "optimizer", once or per member. Megatron's
+    plain optimizers' state (torch's `state` / `param_groups`) and the legacy format's lists pass unchanged."""
+    if not isinstance(state_dict, dict):
+        return False
+    members = [v for k, v in state_dict.items() if isinstance(k, int)]
+    return "optimizer" in state_dict or bool(members) and all(isinstance(v, dict) and "optimizer" in v
+                                                              for v in members)

@@ -19,6 +19,9 @@ so that on every release:
   Megatron's default strategy when a bcp one was passed.
 - `load_common_state_dict` reads the non-sharded values of a bcp checkpoint saved by 0.19+, which
   keeps them in the checkpoint itself rather than in common.pt (0.19 would read them with torch DCP).
+- up to 0.18, the common.pt of a bcp save is written by bcp (`strategy.common_state_bytes`: enum
+  members pickled by value, so that Megatron's own torch.load(weights_only=True) reads it whichever
+  Python wrote it), atomically; Megatron's loads read it unchanged. torch_dist saves are left alone.
 
 Any other strategy passes through untouched. `check_api()` fails at import, naming what is missing,
 when a Megatron release lacks what this relies on.
@@ -26,6 +29,7 @@ when a Megatron release lacks what this relies on.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import importlib
 import inspect
@@ -35,17 +39,22 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import serialization
 from megatron.core.dist_checkpointing.core import CheckpointingException, maybe_load_config
+from megatron.core.dist_checkpointing.strategies import common as megatron_common
 from megatron.core.dist_checkpointing.strategies import fully_parallel
 from megatron.core.dist_checkpointing.strategies import torch as megatron_torch
 
 from bcp_core.errors import UnsupportedFrameworkError
+from bcp_core.storage import storage_for
 
 from . import megatron_lm
-from .strategy import BACKEND, VERSION, BcpLoadShardedStrategy, BcpSaveShardedStrategy, read_common_state
+from .strategy import (BACKEND, VERSION, BcpLoadShardedStrategy, BcpSaveShardedStrategy, common_state_bytes,
+                       read_common_state)
 
 SUPPORTED = "megatron-core 0.16 to 0.19"
 _LOADS = ("load", "load_tensors_metadata", "load_sharded_metadata")
 _ROUTED = "__bcp_routed__"
+COMMON_FILE = "common.pt"  # Megatron's COMMON_STATE_FNAME
+_saving_bcp = contextvars.ContextVar("bcp_megatron_save", default=False)  # inside a routed bcp save
 
 
 def check_api() -> None:
@@ -144,8 +153,13 @@ def _routed_save(original):
         bound = signature.bind(*args, **kwargs)
         strategy = save_strategy_for(bound.arguments.get("sharded_strategy"))
         bound.arguments["sharded_strategy"] = strategy
-        request = original(*bound.args, **bound.kwargs)
-        if isinstance(strategy, BcpSaveShardedStrategy):
+        bcp_save = isinstance(strategy, BcpSaveShardedStrategy)
+        token = _saving_bcp.set(bcp_save)
+        try:
+            request = original(*bound.args, **bound.kwargs)
+        finally:
+            _saving_bcp.reset(token)
+        if bcp_save:
             checkpoint_dir = bound.arguments["checkpoint_dir"]
             if request is None:
                 _check_metadata_names_bcp(checkpoint_dir)
@@ -198,17 +212,40 @@ def _routed_common_state(original):
     return load_common_state_dict
 
 
+def _routed_common_save(original):
+    """Megatron's writer of common.pt (0.16: `TorchCommonSaveStrategy.save_common`; 0.17, 0.18:
+    `serialization.save_common`): bcp's during a bcp save, on rank 0 as Megatron's."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def save_common(*args, **kwargs):
+        if not _saving_bcp.get():
+            return original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        if torch.distributed.get_rank() == 0:
+            data = common_state_bytes(bound.arguments["common_state_dict"])
+            storage_for(str(bound.arguments["checkpoint_dir"])).write_atomic(COMMON_FILE, data)
+    return save_common
+
+
+def _wrap(owner, name: str, wrap) -> None:
+    original = getattr(owner, name)
+    if getattr(original, _ROUTED, False):
+        return
+    routed = wrap(original)
+    setattr(routed, _ROUTED, True)
+    setattr(owner, name, routed)
+    if owner is serialization and getattr(dist_checkpointing, name, None) is original:
+        setattr(dist_checkpointing, name, routed)
+
+
 def install() -> None:
     """Route dist_checkpointing's save and loads (module docstring). Idempotent."""
     check_api()
-    routes = (("save", _routed_save), *((n, _routed_load) for n in _LOADS),
-              ("load_common_state_dict", _routed_common_state))
-    for name, wrap in routes:
-        original = getattr(serialization, name)
-        if getattr(original, _ROUTED, False):
-            continue
-        routed = wrap(original)
-        setattr(routed, _ROUTED, True)
-        setattr(serialization, name, routed)
-        if getattr(dist_checkpointing, name, None) is original:
-            setattr(dist_checkpointing, name, routed)
+    for name, wrap in (("save", _routed_save), *((n, _routed_load) for n in _LOADS),
+                       ("load_common_state_dict", _routed_common_state)):
+        _wrap(serialization, name, wrap)
+    if hasattr(serialization, "save_common"):  # 0.17, 0.18 (0.19 writes no common.pt)
+        _wrap(serialization, "save_common", _routed_common_save)
+    elif hasattr(megatron_common, "TorchCommonSaveStrategy"):  # 0.16
+        _wrap(megatron_common.TorchCommonSaveStrategy, "save_common", _routed_common_save)

@@ -6,8 +6,9 @@
 
 Megatron writes `metadata.json` in `ckpt_dir` after the strategy returns (after the async request's
 finalize functions, for async saves), so a directory without it was never completed; bcp writes
-`bcp_metadata.json` and `data/`. Megatron's non-sharded values are in `common.pt` (written by
-Megatron up to 0.18) or, from 0.19 on, a bcp object (`read_common_state`).
+`bcp_metadata.json` and `data/`. Megatron's non-sharded values are in `common.pt` (up to 0.18;
+for a bcp save bcp writes it, routing.py) or, from 0.19 on, a bcp object (`read_common_state`):
+torch.save bytes either way, enum members pickled by value (`common_state_bytes`).
 
 The strategies subclass Megatron's torch_dist ones: from 0.17 on, `dist_checkpointing.save` replaces
 any strategy that is not a `TorchDistSaveShardedStrategy` by a new torch_dist one, and 0.19 has no
@@ -17,8 +18,11 @@ other base class left. Every method Megatron calls is overridden; nothing of tor
 from __future__ import annotations
 
 import dataclasses
+import enum
 import io
+import pickle
 import traceback
+import types
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -74,17 +78,41 @@ def _translated(action: str, checkpoint_dir, fn: Callable, *args, **kwargs):
                                         {rank: (e, traceback.extract_tb(e.__traceback__))}) from e
 
 
+class _EnumsByValue(pickle.Pickler):
+    """Pickles enum members as `Class(value)`, whichever Python runs. Some releases (Debian 12's
+    Python 3.11.2; not 3.11.7) pickle them as `getattr(Class, name)`, and torch.load(weights_only=True)
+    refuses `getattr` whatever classes are allowed: Megatron's own common.pt written there cannot be
+    loaded again, with any backend, by Megatron's own load."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, enum.Enum):
+            return type(obj), (obj._value_,)
+        return NotImplemented
+
+
+# what torch.save asks of its `pickle_module`
+_PICKLE_ENUMS_BY_VALUE = types.SimpleNamespace(Pickler=_EnumsByValue, Unpickler=pickle.Unpickler, load=pickle.load,
+                                               dump=pickle.dump, __name__="pickle")
+
+
+def common_state_bytes(common_state) -> bytes:
+    """Megatron's non-sharded values (its `args` Namespace, enums, configs) as the bytes of a
+    torch.save file, as common.pt holds them, that torch.load(weights_only=True) reads back under
+    Megatron's safe globals on any Python: enum members pickled by value (`_EnumsByValue`)."""
+    buffer = io.BytesIO()
+    torch.save(common_state, buffer, pickle_module=_PICKLE_ENUMS_BY_VALUE)
+    return buffer.getvalue()
+
+
 def _common_state_as_bytes(sharded_state_dict: dict) -> None:
-    """0.19's `common_state` ShardedObject holds Megatron's non-sharded values (its `args`
-    Namespace, enums, configs): stored as the bytes of a torch.save file (what common.pt held),
-    which `read_common_state` reads back with torch.load(weights_only=True) under Megatron's safe
-    globals, as torch_dist does. Only the main replica is written."""
+    """0.19's `common_state` ShardedObject holds Megatron's non-sharded values: stored as
+    `common_state_bytes` (what common.pt held), which `read_common_state` reads back with
+    torch.load(weights_only=True) under Megatron's safe globals, as torch_dist does. Only the main
+    replica is written."""
     common = sharded_state_dict.get(COMMON_STATE_KEY)
     if isinstance(common, ShardedObject) and is_main_replica(common.replica_id) \
             and not isinstance(common.data, bytes):
-        buffer = io.BytesIO()
-        torch.save(common.data, buffer)
-        sharded_state_dict[COMMON_STATE_KEY] = dataclasses.replace(common, data=buffer.getvalue())
+        sharded_state_dict[COMMON_STATE_KEY] = dataclasses.replace(common, data=common_state_bytes(common.data))
 
 
 def read_common_state(checkpoint_dir) -> dict:

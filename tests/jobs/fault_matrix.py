@@ -32,7 +32,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--root", required=True)
     p.add_argument("--steps", type=int, default=13)
-    p.add_argument("--timeout", type=float, default=3.0)
+    p.add_argument("--timeout", type=float, default=120.0, help="each save's timeout, in seconds")
+    p.add_argument("--short-timeout", type=float, default=3.0,
+                   help="the timeout of a save in which another rank stalls (the timeout is what it tests)")
     args = p.parse_args()
     faults.install_from_env()
     dist.init_process_group("gloo")
@@ -43,7 +45,6 @@ def main() -> None:
     state = {"model": model, "optimizer": optim, "extra_state": {"step": 0}}
     outcomes: dict[int, str] = {}
     handles: dict[int, bcp.SaveHandle] = {}
-    timeout = timedelta(seconds=args.timeout)
 
     for step in range(1, args.steps + 1):
         g = torch.Generator().manual_seed(100 * step + rank)
@@ -52,6 +53,8 @@ def main() -> None:
         optim.step()
         optim.zero_grad()
         state["extra_state"]["step"] = step
+        # one save per step: save number `step` on every rank
+        timeout = timedelta(seconds=args.short_timeout if faults.waits_for_a_stalled_rank(step) else args.timeout)
         try:
             handles[step] = bcp.save(args.root, state, step=step, async_save=step % 2 == 1, timeout=timeout)
         except bcp.PreviousSaveError as e:  # an earlier async save failed; this one goes on

@@ -2,7 +2,7 @@
 jobs end.
 
     torchrun --nproc_per_node 2 tests/jobs/lightning_train.py --root DIR [--steps N] [--end HOW]
-        [--top-k K] [--save-last] [--preemption] [--resume [hpc|last]] [--step-delay S] [--start-delay S]
+        [--top-k K] [--save-last] [--preemption] [--resume [hpc|last]] [--pause-at STEP]
 
 The only bcp line is `Trainer(plugins=[BCPCheckpointIO(...)])`; its saves are asynchronous (the
 default). The model trains on bcp's PackedTokenLoader (its position is in the checkpoint, so a
@@ -16,8 +16,9 @@ end), "sys_exit" (sys.exit(0)), "exception" (an uncaught exception).
 With --preemption, `BCPCheckpointIO(preemption=True)`: SIGTERM leads to hpc_ckpt_<n>.ckpt at the
 step every rank stops at, and exit 143; --resume continues with `fit(ckpt_path="hpc")`, --resume last
 with `fit(ckpt_path="last")`. BCP_TEST_FAULT injects faults into the saves (tests/faults.py).
-Each step writes DIR/progress_rank<r> ("<global step> <pid>", "0 <pid>" while --start-delay holds
-the job in on_fit_start, before Lightning installs its SIGTERM handler); every save writes, from
+Each step writes DIR/progress_rank<r> ("<global step> <pid>"; "0 <pid>" in on_fit_start, before
+Lightning installs its SIGTERM handler), and at --pause-at (0: in on_fit_start) waits for the test
+to release it (tests/pause.py); every save writes, from
 rank 0, DIR/reference_<global step>.pt: the values the checkpoint must hold, taken at the save.
 """
 
@@ -26,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import lightning as L
 import torch
@@ -39,6 +39,7 @@ from bcp_integrations.lightning import BCPCheckpointIO
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import faults  # noqa: E402 - tests/faults.py
+from pause import pause_at  # noqa: E402 - tests/pause.py
 
 VOCAB = 64
 # documents of distinct token ids: about 30 batches per rank, so every run stays in one epoch
@@ -83,11 +84,13 @@ class Job(Callback):
 
     def on_fit_start(self, trainer, pl_module):
         self._progress(trainer, 0)
-        time.sleep(self.args.start_delay)
+        if self.args.pause_at == 0:
+            pause_at(self.args.root, 0)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._progress(trainer, trainer.global_step)
-        time.sleep(self.args.step_delay)
+        if trainer.global_step == self.args.pause_at:
+            pause_at(self.args.root, trainer.global_step)
         if trainer.global_step == self.args.steps:
             trainer.save_checkpoint(os.path.join(self.args.root, "in_fit.ckpt"))
 
@@ -108,8 +111,7 @@ def main() -> None:
     p.add_argument("--save-last", action="store_true", help="ModelCheckpoint(save_last=True)")
     p.add_argument("--preemption", action="store_true")
     p.add_argument("--resume", nargs="?", const="hpc", choices=["hpc", "last"], help="fit(ckpt_path=...)")
-    p.add_argument("--step-delay", type=float, default=0.0)
-    p.add_argument("--start-delay", type=float, default=0.0)
+    p.add_argument("--pause-at", type=int, default=None, help="wait at this step until the test releases it")
     args = p.parse_args()
     faults.install_from_env()
 

@@ -2,7 +2,7 @@
 dist_checkpointing backend with Megatron's AsyncCallsQueue, ended the ways real jobs end.
 
     torchrun --nproc_per_node 2 tests/jobs/megatron_train.py --root DIR [--steps N] [--end HOW]
-        [--save-interval K] [--preemption] [--resume] [--step-delay S]
+        [--save-interval K] [--preemption] [--resume] [--pause-at STEP]
 
 The model is Megatron's ColumnParallelLinear -> tanh -> RowParallelLinear, trained with a torch
 Adam whose state is saved as Megatron does for non-distributed optimizers (`optim_state_to_sharding_
@@ -15,7 +15,8 @@ ends right after its last save: "finalize" (as Megatron-LM's training ends: the 
 blocking, and closed; then the script falls off the end), or without finalizing: "script" (falls
 off the end), "sys_exit" (sys.exit(0)), "exception" (an uncaught exception). With --preemption,
 SIGTERM leads to a checkpoint at the iteration every rank agrees on, the queue finalized, exit 143.
-Each iteration writes DIR/progress_rank<r> ("<iteration> <pid>"); DIR/reference_<it>_rank<r>.pt
+Each iteration writes DIR/progress_rank<r> ("<iteration> <pid>"), and at --pause-at waits for the
+test to release it (tests/pause.py); DIR/reference_<it>_rank<r>.pt
 holds each rank's local shards (key -> (global offset, values)) the checkpoint of <it> must hold.
 --resume loads the checkpoint the tracker names with `dist_checkpointing.load` and trains on.
 """
@@ -26,7 +27,6 @@ import argparse
 import contextlib
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,9 @@ import torch.nn.functional as F
 
 import bcp_core as bcp
 from bcp_integrations.megatron import exit_after_preemption
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pause import pause_at  # noqa: E402 - tests/pause.py
 
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's name
 HIDDEN, FFN = 256, 1024  # 6 MiB of model and Adam state: the last save is still being written at the end
@@ -135,7 +138,7 @@ def main() -> None:
     p.add_argument("--save-interval", type=int, default=0)
     p.add_argument("--preemption", action="store_true")
     p.add_argument("--resume", action="store_true")
-    p.add_argument("--step-delay", type=float, default=0.0)
+    p.add_argument("--pause-at", type=int, default=None, help="wait at this iteration until the test releases it")
     args = p.parse_args()
 
     from megatron.core import dist_checkpointing
@@ -177,7 +180,8 @@ def main() -> None:
         iteration = it + 1
         with open(os.path.join(args.root, f"progress_rank{rank}"), "w") as f:
             f.write(f"{iteration} {os.getpid()}")
-        time.sleep(args.step_delay)
+        if iteration == args.pause_at:
+            pause_at(args.root, iteration)
         with megatron_queue_on_cpu():
             queue.maybe_finalize_async_calls(blocking=False)  # as Megatron-LM does every iteration
         if args.save_interval and iteration % args.save_interval == 0:

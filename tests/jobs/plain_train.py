@@ -1,13 +1,14 @@
 """A 2-rank DDP training job on the plain bcp API, ended the ways real jobs end.
 
     torchrun --nproc_per_node 2 tests/jobs/plain_train.py --root DIR [--steps N] [--end HOW]
-        [--preemption] [--resume] [--step-delay S] [--fail-write] [--die-rank R] [--timeout S]
+        [--preemption] [--resume] [--pause-at STEP] [--fail-write] [--die-rank R] [--timeout S]
 
 --end: how the process ends right after its last (asynchronous) save: "script" (falls off the
 end), "sys_exit" (sys.exit(0)), "exception" (an uncaught exception), "destroy" (destroys the
 process group, then falls off the end). Without --preemption the job saves once, after its last
 step, and ends; with it, SIGTERM leads to a checkpoint at the agreed step boundary and exit 143.
-Each step writes DIR/progress_rank<r> ("<step reached> <pid>") for the test that sends the signal;
+Each step writes DIR/progress_rank<r> ("<step reached> <pid>") for the test that sends the signal,
+and at --pause-at waits for the test to release it (tests/pause.py);
 DIR/reference_<step>.pt holds, from rank 0, the values the checkpoint of <step> must hold.
 """
 
@@ -17,7 +18,6 @@ import argparse
 import errno
 import os
 import sys
-import time
 from datetime import timedelta
 
 import torch
@@ -25,6 +25,9 @@ import torch.distributed as dist
 from torch import nn
 
 import bcp_core as bcp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pause import pause_at  # noqa: E402 - tests/pause.py
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +50,7 @@ def main() -> None:
     p.add_argument("--end", default="script", choices=["script", "sys_exit", "exception", "destroy"])
     p.add_argument("--preemption", action="store_true")
     p.add_argument("--resume", action="store_true")
-    p.add_argument("--step-delay", type=float, default=0.0)
+    p.add_argument("--pause-at", type=int, default=None, help="wait at this step until the test releases it")
     p.add_argument("--fail-write", action="store_true", help="inject ENOSPC into this job's data writes")
     p.add_argument("--die-rank", type=int, default=None, help="this rank exits at once after the save call")
     p.add_argument("--timeout", type=float, default=10.0, help="each save's timeout, in seconds")
@@ -68,11 +71,8 @@ def main() -> None:
         start = state["extra_state"]["step"]
     preemption = bcp.handle_preemption() if args.preemption else None
     if args.fail_write:
-        from bcp_core import storage
-
-        def no_space(*a, **k):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        storage.local._LocalWriter.write = no_space
+        from bcp_core.storage.faults import Fault, inject
+        inject(Fault("write", error=OSError(errno.ENOSPC, "No space left on device")))
     timeout = timedelta(seconds=args.timeout)
 
     for step in range(start, args.steps):
@@ -83,7 +83,8 @@ def main() -> None:
         optim.step()
         with open(os.path.join(args.root, f"progress_rank{rank}"), "w") as f:
             f.write(f"{step + 1} {os.getpid()}")
-        time.sleep(args.step_delay)
+        if step + 1 == args.pause_at:
+            pause_at(args.root, step + 1)
         if preemption is not None and preemption.stop_requested():
             state["extra_state"]["step"] = step + 1
             bcp.save(args.root, state, step=step + 1, async_save=True, timeout=timeout)

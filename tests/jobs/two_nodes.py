@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import bcp_core as bcp
 from bcp_core.shards import Box, ShardedView
-from bcp_core.storage import LocalStorage
+from bcp_core.storage.faults import Fault, inject
 
 
 def main() -> None:
@@ -50,17 +50,11 @@ def _save_and_load(path: str, state: dict, half: torch.Tensor, rank: int, out: s
     if result.startswith("COMMITTED"):
         # a collective load: the metadata is read once per node (here each node has one process)
         reads = []
-        read_bytes = LocalStorage.read_bytes
-
-        def counting(self, relpath):
-            reads.append(relpath)
-            return read_bytes(self, relpath)
-        LocalStorage.read_bytes = counting
         target = {"w": ShardedView((8,), torch.float32, [Box((4 * rank,), (4,), torch.zeros(4))])}
-        bcp.load(path, target, share_reads=True, strict=False)
-        LocalStorage.read_bytes = read_bytes
+        with inject(Fault("read_bytes", hook=lambda call: reads.append(call.path), path="*/bcp_metadata.json")):
+            bcp.load(path, target, share_reads=True, strict=False)
         got = target["w"].boxes[0].view
-        result += f"\nLOADED {torch.equal(got, half)} metadata_reads={reads.count('bcp_metadata.json')}"
+        result += f"\nLOADED {torch.equal(got, half)} metadata_reads={len(reads)}"
     with open(out, "w") as f:
         f.write(result)
     print(result, flush=True)

@@ -10,25 +10,21 @@ import pytest
 import torch
 
 import bcp_core as bcp
-from bcp_core import storage
+from bcp_core.storage import faults
 
 
-def test_enospc_during_async_save_commits_nothing_and_training_goes_on(tmp_path, monkeypatch):
+def test_enospc_during_async_save_commits_nothing_and_training_goes_on(tmp_path):
     state = {"w": torch.ones(1000), "extra_state": {"step": 1}}
     bcp.save(str(tmp_path), state, step=1, role="faults").wait()
-    real = storage.local._LocalWriter.write
-
-    def full_disk(self, data):
-        raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(storage.local._LocalWriter, "write", full_disk)
     state["w"].add_(1)
-    handle = bcp.save(str(tmp_path), state, step=2, async_save=True, role="faults")
-    state["w"].add_(1)  # training continues meanwhile
-    with pytest.raises(bcp.SaveError, match=r"No space left on device.*|.*No space left on device"):
-        handle.wait()
+    with faults.inject(faults.Fault("write", error=OSError(errno.ENOSPC, "No space left on device"))):
+        handle = bcp.save(str(tmp_path), state, step=2, async_save=True, role="faults")
+        state["w"].add_(1)  # training continues meanwhile
+        with pytest.raises(bcp.SaveError, match=r"No space left on device.*|.*No space left on device"):
+            handle.wait()
     assert not os.path.exists(tmp_path / "step_00000002" / "bcp_metadata.json")
     assert (tmp_path / "latest").read_text() == "step_00000001"
-    monkeypatch.setattr(storage.local._LocalWriter, "write", real)  # the disk has room again
+    # the disk has room again
     bcp.save(str(tmp_path), state, step=3, role="faults").wait()
     out = {"w": torch.empty(1000), "extra_state": {}}
     assert bcp.load(str(tmp_path), out).path.endswith("step_00000003")
@@ -44,8 +40,11 @@ def _one_line(exc_info) -> str:
 def test_bad_input_gets_one_line_errors(tmp_path):
     model = torch.nn.Linear(2, 2)
     with pytest.raises(bcp.BCPError) as e:
+        bcp.save(str(tmp_path / "a"), {"model": model}, framework="colossalai")
+    assert "unknown framework 'colossalai'" in _one_line(e)
+    with pytest.raises(bcp.BCPError) as e:  # a framework bcp knows, not the model's layout
         bcp.save(str(tmp_path / "a"), {"model": model}, framework="deepspeed")
-    assert "unknown framework 'deepspeed'" in _one_line(e)
+    assert "framework='deepspeed' but the model's layout is 'plain'" in _one_line(e)
     with pytest.raises(bcp.BCPError) as e:
         bcp.save(str(tmp_path / "b"), {"extra_state": {"lock": __import__("threading").Lock()}})
     assert "extra_state.lock: cannot save a value of type _thread.lock" in _one_line(e)

@@ -179,6 +179,42 @@ def test_memory_storage_is_private_to_its_user(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- prune
 
+def test_remove_superseded_keeps_the_tracker_and_newer_steps(tmp_path):
+    """A root saved to again (Lightning's last.ckpt): once step 3 is committed, every older step
+    directory goes, complete or not, and so do the files of a checkpoint bcp wrote into the root itself
+    before step directories (its metadata first); the tracker and a newer step being written stay, and
+    the root loads step 3."""
+    root = tmp_path / "last.ckpt"
+    _save(root)  # the earlier layout: the checkpoint's files in the root itself
+    for step in (1, 3):
+        _save(root, step)
+    (root / "step_00000002").mkdir()  # a failed save
+    (root / "step_00000004").mkdir()  # the next save, begun on other ranks
+    assert _loaded(root) == 0.0  # the files in the root itself hide the steps until they go
+    result = layout.remove_superseded(str(root), "step_00000003")
+    assert result.removed[0] == "bcp_metadata.json" and not result.failed
+    assert {"data", "step_00000001", "step_00000002"} <= set(result.removed)
+    assert sorted(os.listdir(root)) == ["latest", "step_00000003", "step_00000004"]
+    assert _loaded(root) == 3.0
+    with pytest.raises(ValueError, match="not a step directory name"):
+        layout.remove_superseded(str(root), "last")
+
+
+def test_remove_checkpoint_removes_what_is_there_whole_and_follows_no_link(tmp_path):
+    outside = tmp_path / "outside"
+    _save(outside)
+    root = tmp_path / "step=4.ckpt"
+    _save(root, 1)
+    os.symlink(outside, root / "step_00000002")
+    layout.remove_checkpoint(str(root))
+    assert not root.exists() and _loaded(outside) == 0.0
+    layout.remove_checkpoint(str(root))  # missing: no error
+    plain = tmp_path / "plain.ckpt"  # a file of Lightning's own format
+    plain.write_bytes(b"torch")
+    layout.remove_checkpoint(str(plain))
+    assert not plain.exists()
+
+
 def test_prune_never_leaves_the_root(tmp_path):
     """A symlinked step directory is removed as a link: the checkpoint it points at keeps its metadata
     (before, prune deleted it). Links inside a removed checkpoint are removed, not followed."""
@@ -252,7 +288,7 @@ _DIE = """
 import os, signal, sys
 import torch
 import bcp_core as bcp
-from bcp_core.storage import local
+from bcp_core.storage.faults import Fault, inject
 
 root, point, step = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
@@ -267,7 +303,7 @@ if point == "tracker":  # after the commit, between writing the tracker's tempor
         return real_replace(src, dst, **kwargs)
     os.replace = replace
 else:  # while writing a data file
-    local._LocalWriter.write = die
+    inject(Fault("write", hook=die))
 bcp.save(root, {"w": torch.full((16,), float(step)), "b": torch.arange(4.0) + step}, step=step, async_save=False)
 """
 
@@ -321,21 +357,17 @@ def test_next_save_removes_leftovers_of_failed_saves(tmp_path):
     assert _loaded(root / "step_00000002") == 2.0
 
 
-def test_own_failed_save_goes_at_the_next_commit_another_jobs_save_in_progress_stays(tmp_path, monkeypatch):
+def test_own_failed_save_goes_at_the_next_commit_another_jobs_save_in_progress_stays(tmp_path):
     """A failed save leaves its directory marked failed (bcp_failed.json, naming the save and the
     error): the next commit removes it. A directory of an older step that another job is writing right
     now (fresh, no temporary file of a dead writer, no mark) stays: removing it would fail that job's
     save."""
-    from bcp_core.storage import local
+    from bcp_core.storage.faults import Fault, inject
     root = tmp_path / "root"
     _save(root, 1)
-    def failing(self, relpath):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(local.LocalStorage, "open_writer", failing)
-    with pytest.raises(bcp.SaveError, match="No space left"):
-        _save(root, 3)
-    monkeypatch.undo()
+    with inject(Fault("open_writer", error=OSError(28, "No space left on device"))):
+        with pytest.raises(bcp.SaveError, match="No space left"):
+            _save(root, 3)
     assert not (root / "step_00000003" / "bcp_metadata.json").exists()
     mark = json.loads((root / "step_00000003" / "bcp_failed.json").read_text())
     assert "step 3" in mark["save"] and "No space left" in mark["error"], mark

@@ -510,17 +510,16 @@ def test_an_object_piece_over_the_json_cap_is_refused_before_it_is_read(root, mo
 def test_a_huge_tracker_is_followed_reading_only_its_first_bytes(root, head):
     """A sparse tracker of HUGE bytes naming step 1 (the older: a scan would take step 2)."""
     from bcp_core.layout import TRACKER_READ_BYTES, list_checkpoints
-    from bcp_core.storage.local import LocalStorage
+    from bcp_core.storage.faults import Fault, inject
     _grow(f"{root}/latest", head)
     asked = []
-    read_into = LocalStorage.read_into
-    with mock.patch.object(LocalStorage, "read_into", lambda self, rel, off, out: (
-            asked.append((rel, len(out))), read_into(self, rel, off, out))[1]):
+    with inject(Fault("read_into", hook=asked.append)):
         state = {"w": torch.zeros(3)}
         bcp.load(root, state, strict=False)
         assert [e.name for e in list_checkpoints(root) if e.latest] == ["step_00000001"]
     assert state["w"].eq(1).all()
-    assert max(n for rel, n in asked if rel == "latest") <= TRACKER_READ_BYTES
+    tracker_reads = [call.nbytes for call in asked if call.path == f"{root}/latest"]
+    assert tracker_reads and max(tracker_reads) <= TRACKER_READ_BYTES
 
 
 def test_a_huge_tracker_naming_nothing_falls_back_to_the_newest_step(root):

@@ -25,7 +25,7 @@ from bcp_core import staging
 from bcp_core.load_config import LOAD_CONFIG
 from bcp_core.errors import ChecksumError, KeyMismatchError
 from bcp_core.storage import storage_for
-from dist import run_ranks
+from dist import mark, run_ranks, wait_for_file
 from test_storage import BUCKET, s3  # noqa: F401 - the moto S3 server fixture
 
 # ----------------------------------------------------------------------------- helpers
@@ -197,7 +197,10 @@ def test_a_load_into_a_module_waits_for_the_lazy_snapshot_of_a_save_in_flight(tm
 
 # ----------------------------------------------------------------------------- two ranks
 
-TIMEOUT = timedelta(seconds=20)
+# The loads' timeout where it is not what a case tests: only a bound on a regression that would
+# leave a rank waiting (the cases check that ranks are told, not timed out), never reached by a
+# rank that is merely slow.
+TIMEOUT = timedelta(seconds=120)
 
 
 def _fsdp2_state(step: int, optimizer: bool = True) -> dict:
@@ -231,12 +234,10 @@ def _attempt(fn) -> str | None:
 
 
 def _two_ranks(rank, world_size, root, s3_root):
-    import time
-
     import torch.distributed as dist
 
     from bcp_core.metadata import METADATA_FILE
-    from bcp_core.storage import FsspecStorage, LocalStorage
+    from bcp_core.storage.faults import Fault, inject
 
     out: dict = {}
     path = f"{root}/fsdp2"
@@ -247,18 +248,10 @@ def _two_ranks(rank, world_size, root, s3_root):
 
     # A good collective load: the metadata file is read by rank 0 only.
     reads: list[str] = []
-    real_read_bytes = LocalStorage.read_bytes
-
-    def counting(self, relpath):
-        reads.append(relpath)
-        return real_read_bytes(self, relpath)
-    LocalStorage.read_bytes = counting
-    try:
+    with inject(Fault("read_bytes", hook=lambda call: reads.append(call.path))):
         good = _fsdp2_state(0)
         bcp.load(path, good, share_reads=True, timeout=TIMEOUT)
-    finally:
-        LocalStorage.read_bytes = real_read_bytes
-    out["metadata_reads"] = reads.count(METADATA_FILE)
+    out["metadata_reads"] = reads.count(f"{path}/{METADATA_FILE}")
     out["loaded"] = _frozen(good) == _frozen(_fsdp2_state(1))
 
     # A corrupted block that only rank 1 reads and verifies: both ranks fail, neither changes. (Rank 1
@@ -300,19 +293,21 @@ def _two_ranks(rank, world_size, root, s3_root):
     out["owner_failed"] = _attempt(lambda: bcp.load(rep_path, rep, share_reads=True, timeout=TIMEOUT))
     out["owner_failed_unchanged"] = _frozen(rep) == rep_before
 
-    # An owner stalls (rank 1's reads take longer than the timeout): rank 0 stops waiting for it.
+    # An owner stalls (rank 1's reads wait until rank 0 has given up on them): rank 0 stops waiting
+    # for it after the 3 s it tests. Rank 1 is in the load before rank 0 starts (an event), so rank 0
+    # waits only for the stalled reads; rank 1's own timeout is longer, never reached first.
     stall_path = f"{s3_root}/stalled"
     bcp.save(stall_path, _replicated_state(1)).wait()
-    real_read_into = FsspecStorage.read_into
+    in_load, given_up = os.path.join(root, "stalled_load_entered"), os.path.join(root, "stalled_load_given_up")
     if rank == 1:
-        def stalled(self, relpath, offset, buf):
-            time.sleep(2.5)  # past the 1.5 s timeout below
-            return real_read_into(self, relpath, offset, buf)
-        FsspecStorage.read_into = stalled
-    try:
-        out["stalled"] = _attempt(lambda: bcp.load(stall_path, rep, share_reads=True, timeout=timedelta(seconds=1.5)))
-    finally:
-        FsspecStorage.read_into = real_read_into
+        with inject(Fault("read_into", hook=lambda call: wait_for_file(given_up), path=f"{stall_path}/*")):
+            mark(in_load)
+            out["stalled"] = _attempt(lambda: bcp.load(stall_path, rep, share_reads=True,
+                                                       timeout=timedelta(seconds=10)))
+    else:
+        wait_for_file(in_load)
+        out["stalled"] = _attempt(lambda: bcp.load(stall_path, rep, share_reads=True, timeout=timedelta(seconds=3)))
+        mark(given_up)
     out["stalled_unchanged"] = _frozen(rep) == rep_before
     dist.barrier()
 

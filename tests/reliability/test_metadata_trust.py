@@ -24,7 +24,8 @@ from bcp_core.metadata import METADATA_FILE, num_blocks
 from bcp_core.plan_records import PlanRequest, SaveId, SaveStructure, TensorEntry
 from bcp_core.save_planner import global_save_plan
 from bcp_core.shards import Box, ObjectShard, ShardedView
-from bcp_core.storage import LocalStorage, storage_for
+from bcp_core.storage import storage_for
+from bcp_core.storage.faults import Fault, inject
 from bcp_core.tools.verify import verify_checkpoint
 
 
@@ -211,22 +212,24 @@ def test_json_nested_too_deep_to_parse_is_a_metadata_error(ck):
         bcp.inspect(ck)
 
 
-def test_an_oversized_metadata_file_is_refused_without_reading_it(ck, monkeypatch):
+_METADATA_READ = Fault("read_bytes", hook=lambda call: pytest.fail(f"{call.path} was read"))
+
+
+def test_an_oversized_metadata_file_is_refused_without_reading_it(ck):
     from bcp_core.metadata import MAX_METADATA_BYTES, read_metadata_file
     os.truncate(os.path.join(ck, METADATA_FILE), MAX_METADATA_BYTES + 1)  # sparse: takes no disk
-    monkeypatch.setattr(LocalStorage, "read_bytes", lambda *a: pytest.fail("the metadata file was read"))
-    with pytest.raises(bcp.MetadataError, match=rf"has {MAX_METADATA_BYTES + 1} bytes, more than the "
-                                                rf"{MAX_METADATA_BYTES} bcp reads as metadata.*BCP_MAX_METADATA_BYTES"):
-        read_metadata_file(storage_for(ck))
-    rep = verify_checkpoint(ck)
+    refused = rf"has {MAX_METADATA_BYTES + 1} bytes, more than the {MAX_METADATA_BYTES} bcp reads as metadata"
+    with inject(_METADATA_READ):
+        with pytest.raises(bcp.MetadataError, match=refused + ".*BCP_MAX_METADATA_BYTES"):
+            read_metadata_file(storage_for(ck))
+        rep = verify_checkpoint(ck)
     assert [f["kind"] for f in rep["faults"]] == ["metadata"] and "BCP_MAX_METADATA_BYTES" in rep["faults"][0]["detail"]
 
 
 def test_load_refuses_an_oversized_metadata_file_without_reading_it(ck, monkeypatch):
     """Needs the load driver to read the metadata through bcp_core.metadata.read_metadata_file."""
     monkeypatch.setenv("BCP_MAX_METADATA_BYTES", "100")
-    monkeypatch.setattr(LocalStorage, "read_bytes", lambda *a: pytest.fail("the metadata file was read"))
-    with pytest.raises(bcp.MetadataError, match=r"more than the 100 bcp reads as metadata"):
+    with inject(_METADATA_READ), pytest.raises(bcp.MetadataError, match=r"more than the 100 bcp reads as metadata"):
         bcp.load(ck, {}, strict=False)
 
 

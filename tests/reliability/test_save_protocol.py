@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import bcp_core as bcp
-from dist import run_ranks
+from dist import mark, run_ranks, wait_for_file
 
 
 def _state(rank: int, step: int, extra: bool = False) -> dict:
@@ -67,8 +67,8 @@ def _patched(obj, name, replacement):
 
 
 def _scenarios(rank, world_size, base):
-    from bcp_core import checkpointer, save_planner
-    from bcp_core.storage import local
+    from bcp_core import checkpointer, save_planner, save_rounds
+    from bcp_core.storage.faults import Fault, inject
     out = {}
 
     # 1. Saves with different timeouts, asynchronous and back to back: each commits its own step.
@@ -77,7 +77,7 @@ def _scenarios(rank, world_size, base):
     root = os.path.join(base, "timeouts")
     for step in range(1, 6):
         h = bcp.save(root, _state(rank, step), step=step, async_save=True, role="timeouts",
-                     timeout=timedelta(seconds=20 + (step > 2)))
+                     timeout=timedelta(seconds=120 + (step > 2)))
     h.wait()
     out["timeouts"] = _assert_each_step_whole(root)
 
@@ -86,14 +86,8 @@ def _scenarios(rank, world_size, base):
     root = os.path.join(base, "write_error")
     bcp.save(root, _state(rank, 1), step=1, async_save=True, role="write-error").wait()
 
-    def failing_write(original):
-        def write(self, data):
-            if "step_00000002" in self.path:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return original(self, data)
-        return write
     if rank == 1:
-        with _patched(local._LocalWriter, "write", failing_write):
+        with inject(Fault("write", error=OSError(errno.ENOSPC, "No space left on device"), path="*/step_00000002/*")):
             h2 = bcp.save(root, _state(rank, 2), step=2, async_save=True, role="write-error")
             while not h2.done():
                 time.sleep(0.01)
@@ -137,13 +131,8 @@ def _scenarios(rank, world_size, base):
         root = os.path.join(base, f"call_error_{mode}")
         bcp.save(root, _state(rank, 1), step=1, role=f"call-error-{mode}")
 
-        def failing_makedirs(original):
-            def makedirs(self, relpath=""):
-                if "step_00000002" in self.root:
-                    raise OSError(errno.EIO, "Input/output error")
-                return original(self, relpath)
-            return makedirs
-        with _patched(local.LocalStorage, "makedirs", failing_makedirs) if rank == 1 else _nothing():
+        eio = Fault("makedirs", error=OSError(errno.EIO, "Input/output error"), path="*/step_00000002*")
+        with inject(eio) if rank == 1 else _nothing():
             with pytest.raises(bcp.SaveError, match=r"rank 1: OSError: \[Errno 5\] Input/output error"):
                 h = bcp.save(root, _state(rank, 2), step=2, async_save=mode == "async", role=f"call-error-{mode}")
                 h.wait()
@@ -163,23 +152,39 @@ def _scenarios(rank, world_size, base):
     target = {"c": torch.zeros(2)}
     bcp.load(os.path.join(root, "step_00000004"), target)
     out["structure_c"] = target["c"].tolist()
+    # ... and when the rank that keeps its structure writes nothing under the cached plan (its one
+    # tensor is replicated, and rank 0 writes it): it staged nothing, so the new plan leaves that
+    # tensor to rank 0, though rank 1 writes fewer bytes.
+    root = os.path.join(base, "nothing-staged")
+    for step in (1, 2, 3):
+        state = {"r": torch.full((4,), float(step))}
+        if rank == 0 and step == 3:
+            state["c"] = torch.ones(2)
+        bcp.save(root, state, step=step, async_save=True, role="nothing-staged").wait()
+    target = {"r": torch.zeros(4), "c": torch.zeros(2)}
+    bcp.load(os.path.join(root, "step_00000003"), target)
+    out["nothing_staged"] = (_committed_steps(root), target["r"].tolist(), target["c"].tolist())
 
     # 6. A second asynchronous save issued before the first one's planning ended: rank 1 does not
-    #    hold the plan yet when it stages, rank 0 does. Both commit.
+    #    hold the plan yet when it stages, rank 0 does. Both commit. The coordinator's planning waits
+    #    until rank 1 has made its second call, so the race happens however fast each rank runs.
     root = os.path.join(base, "early")
+    called = os.path.join(base, "early_second_call_made")
 
-    def slow_plan(original):
+    def plan_after_second_call(original):
         def plan(*args, **kwargs):
-            time.sleep(1.0)
+            wait_for_file(called)
             return original(*args, **kwargs)
         return plan
-    with _patched(save_planner, "global_save_plan", slow_plan), \
-            _patched(checkpointer, "global_save_plan", slow_plan):
+    with _patched(save_planner, "global_save_plan", plan_after_second_call), \
+            _patched(save_rounds, "global_save_plan", plan_after_second_call):
         h1 = bcp.save(root, _state(rank, 1), step=1, async_save=True, role="early")
         if rank == 0:
             h1.wait()  # the coordinator holds the plan when it calls the second save
         h2 = bcp.save(root, _state(rank, 2), step=2, async_save=True, role="early")
         out["early_cached"] = checkpointer.get_checkpointer("early").stats["cache_hits"]
+        if rank == 1:
+            mark(called)
         h2.wait()
         out["early_plans"] = checkpointer.get_checkpointer("early").stats["plans"]
     out["early"] = _assert_each_step_whole(root)
@@ -197,17 +202,11 @@ def _scenarios(rank, world_size, base):
         bcp.save(root, _state(rank, step), step=step, role="keep", keep=2)
     dist.barrier()  # rank 0 rotates after the commit: the other rank may return before it did
     out["keep_rotated"] = _committed_steps(root)
-    with _patched(local._LocalWriter, "write", _failing_everything) if rank == 1 else _nothing():
+    with inject(Fault("write", error=OSError(errno.EIO, "Input/output error"))) if rank == 1 else _nothing():
         with pytest.raises(bcp.SaveError, match="rank 1"):
             bcp.save(root, _state(rank, 4), step=4, role="keep", keep=2)
     out["keep"] = _assert_each_step_whole(root)
     return out
-
-
-def _failing_everything(original):
-    def write(self, data):
-        raise OSError(errno.EIO, "Input/output error")
-    return write
 
 
 def _nothing():
@@ -223,6 +222,7 @@ def test_faults_on_one_rank_never_mix_or_lose_saves(tmp_path):
         assert r["on_commit"] == [1, 2, 3]
         assert r["call_error_sync"] == [1, 3] and r["call_error_async"] == [1, 3]
         assert r["structure"] == [1, 2, 3, 4] and r["structure_c"] == [4.0, 4.0]
+        assert r["nothing_staged"] == ([1, 2, 3], [3.0] * 4, [1.0, 1.0])
         assert r["early"] == [1, 2]
         assert r["steps"] == []
         assert r["keep_rotated"] == [2, 3] and r["keep"] == [2, 3]

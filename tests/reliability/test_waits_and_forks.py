@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import bcp_core as bcp
-from bcp_core.storage import local
+from bcp_core.storage import faults
 
 SHORT = timedelta(seconds=1)
 
@@ -34,22 +34,20 @@ class StalledWrites:
         self.min_bytes = min_bytes
         self.release = threading.Event()
         self.entered = threading.Event()
-        self._original = local._LocalWriter.write
+        self._injection = None
+
+    def _stall(self, call: faults.Call) -> None:
+        if call.nbytes >= self.min_bytes:
+            self.entered.set()
+            self.release.wait(60)
 
     def __enter__(self):
-        original, release, entered, min_bytes = self._original, self.release, self.entered, self.min_bytes
-
-        def write(writer, data):
-            if len(memoryview(data).cast("B")) >= min_bytes:
-                entered.set()
-                release.wait(60)
-            return original(writer, data)
-        local._LocalWriter.write = write
+        self._injection = faults.inject(faults.Fault("write", hook=self._stall))
         return self
 
     def __exit__(self, *exc):
         self.release.set()
-        local._LocalWriter.write = self._original
+        self._injection.remove()
 
 
 def _model():

@@ -1,8 +1,9 @@
 """Fork snapshots: a child process that keeps this rank's state as of the save call and writes it.
 
 Used by `save(..., snapshot="fork")` for a save that would otherwise copy into staging buffers not
-allocated yet (README, "Speed"). The parent and the child talk over two pipes in length-prefixed
-JSON messages; the child touches no accelerator, lock or network client of the parent.
+allocated yet (README, "Speed"; save_snapshot.py chooses). The parent and the child talk over two
+pipes in length-prefixed JSON messages; the child touches no accelerator, lock or network client of
+the parent.
 """
 
 from __future__ import annotations
