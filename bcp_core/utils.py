@@ -45,6 +45,14 @@ def cores_per_rank() -> int:
     return max(1, cores // max(1, local))
 
 
+def load_threads() -> int:
+    """Threads a load reads, verifies and copies with by default: this rank's share of the host's
+    cores, at least 4 (a load waits for itself: I/O and copies overlap on as many threads as cores
+    allow) and at most 16. A load's host work (hashing, copying out of the page cache, into pinned
+    chunks for CUDA tensors) is bound by one core's memory bandwidth per thread."""
+    return max(4, min(16, cores_per_rank()))
+
+
 def this_rank(group=None) -> int:
     """This process's rank in `group` (the default group if None); 0 outside torch.distributed."""
     import torch.distributed as dist

@@ -333,8 +333,15 @@ class Bcp:
     def save_sync(self, path: str) -> None:
         self.bcp.save(path, self.state, role=self.role).wait()
 
-    def load(self, path: str) -> None:
-        self.bcp.load(path, self.state)
+    def load(self, path: str, num_threads: int | None = None) -> None:
+        self.bcp.load(path, self.state, num_threads=num_threads)
+
+
+def stager_reuse_broken(version: str | None = None) -> bool:
+    """Whether this torch's `DefaultStager` fails when reused (pytorch#183413: seen on 2.11.0, fixed
+    after 2.11; `DefaultStager` exists since 2.9)."""
+    major, minor = (int(x) for x in (version or torch.__version__).split("+")[0].split(".")[:2])
+    return (2, 9) <= (major, minor) < (2, 12)
 
 
 class Dcp:
@@ -344,23 +351,27 @@ class Dcp:
         import torch.distributed.checkpoint as dcp
         self.dcp, self.tr, self.root = dcp, tr, root
         self.group = dist.new_group(backend="gloo")  # as torchtitan: the checkpoint's collectives apart
-        self.reuse, self.errors, self.config = True, [], {}
+        # torch 2.11's DefaultStager fails the second save it stages (`KeyError: <class 'type'>` in the
+        # checkpointing process, pytorch#183413, fixed after 2.11): there, as torchtitan does, a new
+        # stager per save (its pinned copies are allocated again each time)
+        self.reuse, self.errors, self.config = not stager_reuse_broken(), [], {}
         self.stager = self._new_stager()
+        self.config["stager_per_save"] = not self.reuse
         self.staging = None  # the last save's staging, waited for before the next optimizer step
 
     def _new_stager(self):
         try:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         except ImportError:  # torch < 2.9: async_save's own staging
-            self.config = {"stager": None}
+            self.config.update(stager=None)
             return None
         cuda = self.tr.device == "cuda"
         # torchtitan's async_with_pinned_mem: StagingOptions(True, True, True, True); pinned memory and
         # non-blocking copies exist only with an accelerator
         options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True,
                                  use_non_blocking_copy=cuda)
-        self.config = {"stager": "DefaultStager", "options": vars(options) if hasattr(options, "__dict__") else
-                       str(options)}
+        self.config.update(stager="DefaultStager",
+                           options=vars(options) if hasattr(options, "__dict__") else str(options))
         return DefaultStager(options)
 
     def _state_dict(self) -> dict:
@@ -372,9 +383,9 @@ class Dcp:
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
         path = os.path.join(self.root, "loop", f"step_{k:08d}")
         pending = Pending(path, time.perf_counter())
-        if not self.reuse:  # torch 2.11 could not reuse a stager (pytorch#183413): one per save then
+        if not self.reuse and k > 0:  # a stager per save (stager_reuse_broken), the first made in __init__
             if self.stager is not None:
-                self.stager.close()
+                self.stager.close()  # the previous save is durable: the loop waited for it
             self.stager = self._new_stager()
         kwargs = {"async_stager": self.stager} if self.stager is not None else {}
         resp = self.dcp.async_save(self._state_dict(), checkpoint_id=path, process_group=self.group,
@@ -393,6 +404,7 @@ class Dcp:
             except Exception as e:  # noqa: BLE001 - reported; later saves get a stager each
                 self.errors.append(f"staging: {type(e).__name__}: {e}")
                 self.reuse = False
+                self.config["stager_per_save"] = True
 
     def pinned_bytes(self) -> int:
         stager = getattr(self.stager, "_state_dict_stager", None)
@@ -465,6 +477,13 @@ def run_system(system, tr: Trainer, steps: int, every: int) -> dict:
         out[f"load_{kind}_s"] = timed(lambda: system.load(path), tr.device)
         out[f"load_{kind}_gib_s"] = gib / out[f"load_{kind}_s"]
         exact &= fingerprint(tr) == want
+    if isinstance(system, Bcp):  # the warm load's threads: bcp's default (its share of the cores) and 4
+        from bcp_core.utils import load_threads
+        out["load_threads"] = load_threads()
+        for n in sorted({4, 8, load_threads()} - {load_threads()}):
+            scramble(tr)
+            out[f"load_warm_{n}_threads_gib_s"] = gib / timed(lambda n=n: system.load(path, n), tr.device)
+            exact &= fingerprint(tr) == want
     out["loaded_exactly"] = exact
     shutil.rmtree(path, ignore_errors=True)
     out["pinned_peak_gib"] = pinned / GIB

@@ -6,15 +6,20 @@
 #     bash bench/gpu_check.sh --print-wheels  the wheels it installs (bench/fetch_gpu_wheels.sh fetches them)
 #
 # Without network: installs the wheels carried in .whl/ and bcp from this working tree, runs
-# tests/test_cuda.py (a GPU torch cannot see is a failure there) and bench/gpu.py within
-# BCP_GPU_CHECK_S seconds (480), and writes into OUT: summary.txt, env.txt, pytest.txt,
-# pytest_junit.xml, bench_gpu.json, bench_gpu.txt. Exit status 0 only if the tests and the bench passed.
+# tests/test_cuda.py and tests/test_device_integrations.py (a GPU torch cannot see is a failure
+# there), bench/gpu_integrations.py (the first checkpoint step through each integration) and
+# bench/gpu.py (bcp against DCP, the floors) within BCP_GPU_CHECK_S seconds (480), and writes into
+# OUT: summary.txt, env.txt, pytest.txt, pytest_junit.xml, bench_integrations.json,
+# bench_integrations.txt, bench_gpu.json, bench_gpu.txt. Exit status 0 only if the tests and both
+# benches passed.
 set -uo pipefail
 
 WHEELS="megatron-core==0.16.1 tenacity==9.2.1"  # what bcp's tests need that the GPU machine's image lacks
 TOTAL_S=${BCP_GPU_CHECK_S:-480}   # everything, from the install to the summary
-TESTS_S=${BCP_GPU_TESTS_S:-240}   # the tests at most (0: no tests); the bench gets what is left
-BENCH_GIB=${BCP_GPU_GIB:-1,4,16}  # state sizes of the bench, smallest first (BCP_GPU_SYSTEMS: its systems, bcp,dcp)
+TESTS_S=${BCP_GPU_TESTS_S:-210}   # the tests at most (0: no tests)
+INTEGRATIONS_S=${BCP_GPU_INTEGRATIONS_S:-100}  # the integrations' bench at most (0: none); bench/gpu.py gets the rest
+BENCH_GIB=${BCP_GPU_GIB:-4}       # state sizes of bench/gpu.py, smallest first (BCP_GPU_SYSTEMS: its systems, bcp,dcp)
+TEST_FILES="tests/test_cuda.py tests/test_device_integrations.py"
 
 if [ "${1:-}" = --print-wheels ]; then
     echo "$WHEELS"
@@ -48,6 +53,7 @@ if [ "$mode" = gpu ]; then
     export BCP_REQUIRE_CUDA=1
     tests="cuda"  # the CPU twins ran where the suite runs
     bench_args="--device cuda --gib $BENCH_GIB --systems ${BCP_GPU_SYSTEMS:-bcp,dcp}"
+    integrations_args="--device cuda --gib ${BCP_GPU_INTEGRATIONS_GIB:-2} --runs ${BCP_GPU_INTEGRATIONS:-hf,accelerate,lightning}"
 else
     py=${PYTHON:-$repo/.venv/bin/python}
     [ -x "$py" ] || py=python3
@@ -55,8 +61,12 @@ else
     $py -m pip install -q --dry-run --no-index --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_28_x86_64 --target /tmp/bcp_site_check .whl/*.whl \
         >>"$out/env.txt" 2>&1 || { note "the carried wheels do not install for CPython 3.12 x86-64 (env.txt)"; exit 2; }
-    tests=""  # every test of the file, the slow cpu twins too
+    tests=""  # every test of the files, the slow cpu twins too
     bench_args="--device cpu --gib 0.0005,0.001 --hidden 128 --steps 6 --every 2 --step-ms 5"
+    integrations_args="--device cpu --gib 0.001 --hidden 128 --rows 16 --step-ms 5 --steps 10 --first 3 --every 4"
+    INTEGRATIONS_S=${BCP_GPU_INTEGRATIONS_S:-400}  # four fresh processes importing the frameworks, here
+    TESTS_S=${BCP_GPU_TESTS_S:-900}                # the CPU twins launch training jobs, on 2 cores
+    TOTAL_S=${BCP_GPU_CHECK_S:-1500}
 fi
 export PYTHONUNBUFFERED=1
 
@@ -75,11 +85,13 @@ EOF
 { nvidia-smi 2>&1 | head -15; df -h /tmp | tail -1; free -g 2>/dev/null | head -2; } >>"$out/env.txt"
 note "$(grep -E '^(python|devices)' "$out/env.txt" | tr '\n' ' ')"
 
-# 1. the tests marked cuda (here: every test of the file), serially: they share the one GPU; a test
-#    that hangs is stopped by pytest-timeout after 150 s, the whole run after TESTS_S
+# 1. the tests marked cuda (here: every test of the files), serially: they share the one GPU; a test
+#    that hangs is stopped by pytest-timeout after 150 s (those that launch jobs: their own limit),
+#    the whole run after TESTS_S
 tests_rc=0
 if [ "$TESTS_S" -gt 0 ]; then
-    timeout -k 10 "$TESTS_S" $py -m pytest tests/test_cuda.py -o addopts="" -o timeout=150 -n 0 -p no:cacheprovider \
+    # shellcheck disable=SC2086
+    timeout -k 10 "$TESTS_S" $py -m pytest $TEST_FILES -o addopts="" -o timeout=150 -n 0 -p no:cacheprovider \
         -m "$tests" -rfEs --junitxml="$out/pytest_junit.xml" >"$out/pytest.txt" 2>&1
     tests_rc=$?
     [ $tests_rc = 124 ] && note "pytest stopped at its limit of ${TESTS_S}s"
@@ -89,7 +101,38 @@ else
     note "tests skipped (BCP_GPU_TESTS_S=0)"
 fi
 
-# 2. the bench, in what is left of the time
+# 2. the first checkpoint step through each integration (bench/gpu_integrations.py)
+integrations_rc=0
+if [ "$INTEGRATIONS_S" -gt 0 ]; then
+    # shellcheck disable=SC2086
+    timeout -k 10 "$INTEGRATIONS_S" $py bench/gpu_integrations.py $integrations_args \
+        --timeout-s $((INTEGRATIONS_S * 2 / 5)) --json "$out/bench_integrations.json" >"$out/bench_integrations.txt" 2>&1
+    integrations_rc=$?
+    note "integrations bench (status $integrations_rc, ${INTEGRATIONS_S}s allowed)"
+    $py - "$out/bench_integrations.json" 2>&1 <<'EOF' | tee -a "$out/summary.txt"
+import json, sys
+try:
+    table = json.load(open(sys.argv[1]))
+except (OSError, ValueError) as e:
+    sys.exit(f"  no integrations table: {e}")
+c = table["config"]
+print(f"  {c['device_name']}, torch {c['torch']}, {c['gib']} GiB, step {c['calibrated_step_s']:.3f} s calibrated "
+      f"(repeat {c['repeat']}), {table['total_s']:.0f} s")
+for name, r in table["runs"].items():
+    if "error" in r:
+        print(f"    {name}: failed: {r['error'][-600:]}")
+        continue
+    ck = ", ".join(f"{x:.2f}" for x in r["ckpt_step_over_normal"])
+    print(f"    {name}: step {r['normal_step_s']:.3f} s; step 1 (and preparing) / normal "
+          f"{r['first_interval_over_normal']:.2f}; checkpoint steps / normal {ck} (after steps "
+          f"{r['checkpoints_after_steps']})")
+EOF
+    [ -s "$out/bench_integrations.json" ] || integrations_rc=1
+else
+    note "integrations bench skipped (BCP_GPU_INTEGRATIONS_S=0)"
+fi
+
+# 3. the bench against DCP, in what is left of the time
 left=$((TOTAL_S - (SECONDS - start) - 20))
 bench_rc=0
 if [ $left -lt 60 ]; then
@@ -127,6 +170,12 @@ for gib, size in table["sizes"].items():
               f"{r['later_ckpt_step_over_normal']:.2f} later; save {r['sync_save_gib_s']:.2f} GiB/s; load "
               f"{r['load_cold_gib_s']:.2f} cold, {r['load_warm_gib_s']:.2f} warm GiB/s; exact {r['loaded_exactly']}; "
               f"pinned {r['pinned_peak_gib']:.2f} GiB" + (f"; prepare {r['prepare_s']:.2f} s" if "prepare_s" in r else "")
+              + (f"; warm load by threads: {r['load_threads']} (default) {r['load_warm_gib_s']:.2f}, "
+                 + ", ".join(f"{k.split('_')[2]} {v:.2f}" for k, v in r.items()
+                             if k.startswith("load_warm_") and k.endswith("_threads_gib_s")) + " GiB/s"
+                 if "load_threads" in r else "")
+              + (f"; a stager per save (torch {table['config']['torch']}, pytorch#183413)"
+                 if r.get("config", {}).get("stager_per_save") else "")
               + (f"; errors {r['errors']}" if r.get("errors") else "")
               + (f"; saves of the loop that failed: {r['save_errors']}" if r.get("save_errors") else ""))
     print("    floors GiB/s: " + ", ".join(f"{k} {v:.2f}" for k, v in size["floors"].items() if k.endswith("gib_s"))
@@ -137,4 +186,4 @@ for s in table["skipped"]:
 EOF
 fi
 note "done in $((SECONDS - start))s; results in $out"
-[ $tests_rc = 0 ] && [ $bench_rc = 0 ]
+[ $tests_rc = 0 ] && [ $integrations_rc = 0 ] && [ $bench_rc = 0 ]

@@ -29,8 +29,10 @@ processes:
   copies them into place, so its bound is XXH3 of the bytes out of a memory map, measured alone
   (`hash`), plus the cheapest of three copies into place: the floor's, a copy out of the map by
   the CPU (`map_copy`, one numpy memcpy per piece), and the same with non-temporal stores
-  (`map_stream`, bcp_core/memcopy.py, what bcp's load copies with). Best of `--repeat`, ratios
-  to the floor, the load's phases (busy seconds of its metadata, read, checksum and copy records)
+  (`map_stream`, bcp_core/memcopy.py, what bcp's load copies with); and the one pass a load can
+  make where it writes no caller's state (`fused`: each 1 MiB of a checksum block hashed, then
+  copied while in the core's cache, bcp_core/engine/read.py's `copy_verified`). Best of
+  `--repeat`, ratios to the floor, the load's phases (busy seconds of its metadata, read, checksum and copy records)
   and its CPU time.
 
 Prints JSON with the load average before and after (`/proc/loadavg`: the machine is shared, so
@@ -315,6 +317,25 @@ def _load_vs_floor(root: str, a: dict) -> dict:
             view.release()
             m.close()
 
+    def fused():  # one pass: each 1 MiB of a checksum block hashed, then copied (engine.read.copy_verified)
+        from bcp_core.engine.read import FUSED_BYTES
+        block = md.checksum_block_bytes
+        for (f, off, n), d in zip(mine, dests):
+            with open(os.path.join(ckpt, f), "rb") as fh:
+                m = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ)
+            view = memoryview(m)[off:off + n]
+            src, dst = np.frombuffer(view, dtype=np.uint8), d.numpy()
+            for b in range(0, n, block):
+                h = xxhash.xxh3_64()
+                for i in range(b, min(b + block, n), FUSED_BYTES):
+                    j = min(i + FUSED_BYTES, b + block, n)
+                    h.update(src[i:j])
+                    memcopy.copy(dst[i:j], src[i:j])
+                h.intdigest()
+            del src
+            view.release()
+            m.close()
+
     def timed(fn):
         dist.barrier()
         c0 = time.process_time()
@@ -325,7 +346,7 @@ def _load_vs_floor(root: str, a: dict) -> dict:
         dist.barrier()
         return _max(wall), cpu, out
 
-    rows: dict[str, list] = {"floor": [], "bcp": [], "hash": [], "map_copy": [], "map_stream": []}
+    rows: dict[str, list] = {"floor": [], "bcp": [], "hash": [], "map_copy": [], "map_stream": [], "fused": []}
     phases = []
     floor()  # the files in the page cache, the destinations faulted in
     for _ in range(a["repeat"]):
@@ -336,6 +357,7 @@ def _load_vs_floor(root: str, a: dict) -> dict:
         rows["hash"].append(timed(hash_only)[:2])
         rows["map_copy"].append(timed(map_copy)[:2])
         rows["map_stream"].append(timed(lambda: map_copy(memcopy.copy))[:2])
+        rows["fused"].append(timed(fused)[:2])
     for t in target.values():  # the floor writes the same bytes: bcp's load is checked on its own
         t.to_local().zero_()
     bcp.load(path, target)
@@ -349,6 +371,7 @@ def _load_vs_floor(root: str, a: dict) -> dict:
                                       / best["floor"][0], 3),
             "map_copy_over_floor": round(best["map_copy"][0] / best["floor"][0], 3),
             "map_stream_over_floor": round(best["map_stream"][0] / best["floor"][0], 3),
+            "fused_over_floor": round(best["fused"][0] / best["floor"][0], 3),
             "non_temporal": memcopy.NON_TEMPORAL,
             "runs_s": {k: [round(x[0], 4) for x in v] for k, v in rows.items()},
             "bcp_phases_busy_s": phases}

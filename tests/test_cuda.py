@@ -843,6 +843,24 @@ def test_gpu_bench_smoke_runs_on_cpu(tmp_path):
             "bcp_durable_later_over_disk_write_floor"} <= size["ratios"].keys()
 
 
+@pytest.mark.slow  # 60-100 s here: four processes importing the frameworks; the GPU check runs the bench itself
+def test_gpu_integrations_bench_smoke_runs_on_cpu(tmp_path):
+    """bench/gpu_integrations.py --device cpu with a tiny state: each integration and the unprepared
+    variant trains, checkpoints twice and reports its figures (no timing asserted: the plumbing)."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_integrations.py"), "--device", "cpu",
+                           "--gib", "0.001", "--hidden", "128", "--rows", "16", "--step-ms", "5", "--steps", "10",
+                           "--first", "3", "--every", "4", "--json", str(out), "--dir", str(tmp_path / "ckpts")],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    table = json.loads(out.read_text())
+    assert set(table["runs"]) == {"hf", "accelerate", "lightning", "accelerate-unprepared"}
+    for name, r in table["runs"].items():
+        assert "error" not in r, (name, r)
+        assert r["checkpoints_after_steps"] == [3, 7] and len(r["ckpt_step_over_normal"]) == 2, (name, r)
+        assert r["steps_timed"] == 10 and all(math.isfinite(x) for x in r["ckpt_step_over_normal"]), (name, r)
+
+
 def test_gpu_check_script_carries_a_supported_megatron():
     """bench/gpu_check.sh parses, and the megatron-core wheel it carries is one pyproject's extra allows."""
     from packaging.requirements import Requirement

@@ -250,3 +250,58 @@ def test_pieces_are_hashed_per_block_and_written_in_the_parts_the_writer_asks_fo
         w = Writer()
         sums, _ = _write_hashed(w, [memoryview(data)[a:b] for a, b in zip(cuts, cuts[1:])], block, beside)
         assert b"".join(w.parts) == data and sums == expect, (size, block, cuts)
+
+
+@pytest.mark.parametrize("fused_bytes", [7, 64, 1 << 20])
+def test_a_load_verifies_and_copies_a_run_in_one_pass_block_by_block(monkeypatch, fused_bytes):
+    """engine.read.copy_verified: the bytes of any box that is one run of its piece (whole piece,
+    rows, part of a row, one element) land exactly in a destination that is not the caller's; each
+    block is checked once its last part is hashed, so a corrupted block raises ChecksumError naming
+    the file and the block's bytes, with the blocks before it copied and none after it; blocks
+    another rank verifies (`skip`) are copied unchecked; a box that is not one run is left to the
+    two-pass path (False)."""
+    from bcp_core.engine import checksum
+    from bcp_core.engine import read as read_mod
+    from bcp_core.engine.read import copy_from_span, copy_verified
+    from bcp_core.errors import ChecksumError
+    from bcp_core.metadata import Piece
+    from bcp_core.plan_records import ReadItem
+
+    monkeypatch.setattr(read_mod, "FUSED_BYTES", fused_bytes)
+    block = 96  # bytes: 24 float32, a row and a half of the piece below
+    rows, cols = 10, 16
+    data = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols) * 1.5 - 7
+    raw = data.reshape(-1).view(torch.uint8)
+    sums = tuple(checksum(raw[i:i + block].numpy().tobytes()) for i in range(0, raw.numel(), block))
+    piece = Piece((0, 0), (rows, cols), 0, 1000, raw.numel(), sums, 0)
+    files = ("data/r0_0.safetensors",)
+
+    def item(off, ln):
+        return ReadItem("w", piece, off, ln, torch.full(ln, -1.0), fresh=True)
+
+    for off, ln in [((0, 0), (rows, cols)), ((3, 0), (4, cols)), ((9, 0), (1, cols)), ((2, 5), (1, 9)),
+                    ((7, 15), (1, 1))]:
+        it = item(off, ln)
+        assert copy_verified(it, raw, 0, files, block)
+        assert torch.equal(it.dest, data[off[0]:off[0] + ln[0], off[1]:off[1] + ln[1]]), (off, ln)
+    assert not copy_verified(item((0, 2), (3, 4)), raw, 0, files, block)  # strided: verified, then copied
+    it = item((0, 2), (3, 4))
+    copy_from_span(it, raw, 0, files, block, verify=True)
+    assert torch.equal(it.dest, data[:3, 2:6])
+
+    bad = raw.clone()
+    bad[block * 3 + 5] ^= 0x10  # in block 3: rows 4.5 to 6
+    it = item((0, 0), (rows, cols))
+    with pytest.raises(ChecksumError, match=rf"data/r0_0.safetensors bytes \[{1000 + 3 * block}, {1000 + 4 * block}\)"):
+        copy_verified(it, bad, 0, files, block)
+    copied = it.dest.reshape(-1).view(torch.uint8)
+    assert torch.equal(copied[:3 * block], raw[:3 * block])  # the blocks before: copied
+    assert bool((it.dest.reshape(-1)[4 * block // 4:] == -1).all())  # none after the failed block
+    it = item((0, 0), (rows, cols))  # that block left to another rank: copied as it is
+    assert copy_verified(it, bad, 0, files, block, skip={(files[0], 1000 + 3 * block)})
+    assert torch.equal(it.dest.reshape(-1).view(torch.uint8), bad)
+    # a span that starts at a later block (piece offset `span_lo`)
+    it = item((5, 0), (2, cols))
+    lo = 5 * cols * 4 // block * block
+    assert copy_verified(it, raw[lo:], lo, files, block)
+    assert torch.equal(it.dest, data[5:7])

@@ -150,3 +150,52 @@ def test_stateful_dataloader_position_goes_through_bcp_loader_support(tmp_path):
 
     with pytest.raises(AssertionError, match="saved at data-parallel degree 2 and this job has 1"):
         _run(1, "--stateful", "--out", str(tmp_path / "r1"), "--epochs", "2", "--resume", str(tmp_path / "state"))
+
+
+@pytest.mark.timeout(300)
+def test_the_first_save_state_uses_staging_prepared_after_the_first_step(tmp_path, monkeypatch):
+    """One process: once the prepared optimizer has stepped, register()'s step post-hook prepares
+    the saves (`bcp.prepare_save` with the state save_state holds): the only planning of the run,
+    both save_state calls reuse its plan, and the first stages into the buffers prepared (none
+    allocated in its call). Another optimizer's steps do not trigger it; the hook is then gone."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from bcp_core import staging
+    from bcp_core.checkpointer import get_checkpointer
+    from bcp_integrations.accelerate import register
+
+    prepared, allocated = [], []
+    real_prepare, real_buffer = bcp.prepare_save, staging.host_buffer
+    monkeypatch.setattr(bcp, "prepare_save", lambda state, **kw: prepared.append(sorted(state)) or
+                        real_prepare(state, **kw).result())  # ready before the next step, for the count below
+    monkeypatch.setattr(staging, "host_buffer", lambda src: allocated.append(src.shape) or real_buffer(src))
+    try:
+        acc = Accelerator(cpu=True)
+        ckpt = register(acc)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 64)
+        other = torch.nn.Linear(4, 4)
+        other_opt = torch.optim.SGD(other.parameters(), lr=0.1)  # not prepared: its steps do not count
+        other(torch.ones(1, 4)).sum().backward()
+        other_opt.step()
+        model, opt = acc.prepare(model, torch.optim.Adam(model.parameters(), lr=0.1))
+        assert prepared == []
+        cp = get_checkpointer()
+        before = dict(cp.stats)
+        for step in range(1, 5):
+            acc.backward(model(torch.randn(4, 64)).square().mean())
+            opt.step()
+            opt.zero_grad()
+            if step == 1:
+                assert prepared == [["extra_state", "model", "optimizer"]]
+                staged_by_prepare = len(allocated)
+            if step % 2 == 0:
+                acc.save_state(str(tmp_path / f"step_{step}"))
+        ckpt.wait()
+        assert len(prepared) == 1 and staged_by_prepare > 0 and len(allocated) == staged_by_prepare
+        assert cp.stats["plans"] - before["plans"] == 1 and cp.stats["cache_hits"] - before["cache_hits"] == 2
+        assert ckpt._prepare_hook is None
+        assert {"model.weight", "optimizer.state.weight.exp_avg"} <= bcp.inspect(tmp_path / "step_2").keys()
+    finally:
+        AcceleratorState._reset_state(True)

@@ -167,6 +167,60 @@ def test_save_timings_reach_the_trainer_loggers(tmp_path):
     assert bcp.inspect(str(tmp_path / "ckpts" / "epoch=0-step=4.ckpt")).tensors
 
 
+def test_the_first_checkpoint_uses_staging_prepared_after_the_first_step(tmp_path, monkeypatch):
+    """One process: after the first optimizer step the mixin prepares the saves
+    (`bcp.prepare_save` with the state a save holds, Adam's moments included): the only planning of
+    the run, both checkpoints reuse its plan, and the first one stages into the buffers prepared
+    (none allocated in its call)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from bcp_core import staging
+    from bcp_core.checkpointer import get_checkpointer
+    from bcp_integrations.lightning import BCPCheckpointIO
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(64, 64)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.lin(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=0.1)
+
+    prepared, allocated = [], []
+    real_prepare, real_buffer = bcp.prepare_save, staging.host_buffer
+    monkeypatch.setattr(bcp, "prepare_save", lambda state, **kw: prepared.append(sorted(state)) or
+                        real_prepare(state, **kw).result())  # ready before the next step, for the count below
+    monkeypatch.setattr(staging, "host_buffer", lambda src: allocated.append(src.shape) or real_buffer(src))
+
+    class Steps(Callback):
+        def on_train_batch_end(self, trainer, *args):
+            self.at = getattr(self, "at", []) + [(trainer.global_step, len(prepared), len(allocated))]
+
+    steps = Steps()
+    torch.manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(16, 64), torch.randn(16, 64)), batch_size=4)
+    cp = get_checkpointer()
+    before = dict(cp.stats)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_progress_bar=False,
+                        plugins=[BCPCheckpointIO()], callbacks=[
+                            steps, ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), every_n_train_steps=2,
+                                                   save_top_k=-1)])
+    trainer.fit(Net(), data)
+    assert prepared == [["extra_state", "lightning", "model", "optimizer_0"]]
+    # prepared after the first step (by a callback after this one), before the first checkpoint
+    assert [a[:2] for a in steps.at[:2]] == [(1, 0), (2, 1)]
+    staged_by_prepare = steps.at[1][2]
+    assert staged_by_prepare > 0 and len(allocated) == staged_by_prepare  # the checkpoints allocated nothing
+    assert cp.stats["plans"] - before["plans"] == 1 and cp.stats["cache_hits"] - before["cache_hits"] == 2
+    assert bcp.inspect(str(tmp_path / "ckpts" / "epoch=0-step=2.ckpt")).tensors
+
+
 @pytest.mark.timeout(300)
 def test_packed_token_loader_state_leaves_the_loop_state_and_is_resharded_2_to_1(tmp_path):
     """bcp's PackedTokenLoader as Lightning's train dataloader (DDP, 2 ranks), checkpointed mid-epoch

@@ -645,6 +645,7 @@ def test_direct_io_falls_back_to_buffered_writes(tmp_path, small_io, monkeypatch
     import errno
 
     from bcp_core.storage import local
+    monkeypatch.setattr(local, "IN_FLIGHT", 1)  # a write's error met by the next write, not only at close
     st = bst.storage_for(str(tmp_path))
     data = os.urandom(3 * PART + 5)
 
@@ -716,13 +717,15 @@ def _pwrite_failing_at_the_second_call(monkeypatch) -> list[int]:
     return calls
 
 
-def test_direct_write_failing_in_flight_fails_the_file(tmp_path, small_io, monkeypatch):
-    """A full aligned buffer is written by the writer's own thread while the next one fills: a
-    device error there (ENOSPC) is raised by a later write or by close, the temporary file is
-    removed, and the aligned buffers go back to the pool."""
+@pytest.mark.parametrize("in_flight", [1, 4])
+def test_direct_write_failing_in_flight_fails_the_file(tmp_path, small_io, monkeypatch, in_flight):
+    """Full aligned buffers are written by the writer's own threads (up to IN_FLIGHT at once) while
+    the next one fills: a device error there (ENOSPC) is raised by a later write or by close, the
+    temporary file is removed, and the aligned buffers go back to the pool."""
     if not _direct_io_here(tmp_path):
         pytest.skip(f"{tmp_path} has no O_DIRECT")
     from bcp_core.storage import local
+    monkeypatch.setattr(local, "IN_FLIGHT", in_flight)
     st = bst.storage_for(str(tmp_path))
     calls = _pwrite_failing_at_the_second_call(monkeypatch)
     for size in (4 * PART, 2 * PART + 7):  # the error met by a later write / only at close
@@ -735,7 +738,7 @@ def test_direct_write_failing_in_flight_fails_the_file(tmp_path, small_io, monke
         w.abort()  # what the engine does on any error; a second abort is harmless
         left = [f.name for f in tmp_path.iterdir() if f.name != ".probe"]
         assert not left, left
-        assert w.inflight is None and w.buf is None and w.pool is None
+        assert w.inflight == [] and w.buf is None and w.pool is None
     assert len(local._ALIGNED._free) <= local._AlignedBuffers.KEEP
 
 
@@ -749,6 +752,7 @@ def test_failed_direct_write_leaves_nothing_behind_when_the_buffer_pool_is_full(
     import mmap
 
     from bcp_core.storage import local
+    monkeypatch.setattr(local, "IN_FLIGHT", 1)  # the error met by the third write
     st = bst.storage_for(str(tmp_path))
     _pwrite_failing_at_the_second_call(monkeypatch)
     w = st.open_writer("f")

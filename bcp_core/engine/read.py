@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 import warnings
 from collections.abc import Container, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 from .. import codec, memcopy, metrics
 from ..errors import ChecksumError, KeyMismatchError, StorageError
@@ -53,8 +55,6 @@ def verify_blocks(data: memoryview, start: int, nbytes: int, sums: tuple[int, ..
                                 f"{byte_offset + b * block + hi - lo}) of {what}: the data file is corrupted")
 
 @metrics.timed("checksum", nbytes=lambda _, data, *a: len(data))
-
-
 def _verify(data: memoryview, start: int, item: ReadItem, file: str, block: int,
             skip: Container[tuple[str, int]] = ()) -> None:
     p = item.piece
@@ -113,31 +113,99 @@ def item_span(item: ReadItem, block: int, verify: bool) -> tuple[int, int]:
         return lo // block * block, min(-(-hi // block) * block, p.nbytes)
     return lo, hi
 
+def _first_byte(item: ReadItem) -> int:
+    """The piece offset of the item's first element."""
+    p = item.piece
+    rel = [o - po for o, po in zip(item.offsets, p.offsets)]
+    return sum(r * s for r, s in zip(rel, _contiguous_strides(p.lengths))) * item.dest.element_size()
+
+
 def copy_span(item: ReadItem, buf: torch.Tensor, span_lo: int) -> None:
     """Copy the item's elements out of `buf` (its piece's bytes from piece offset `span_lo`) into its destination."""
     p = item.piece
-    esize = item.dest.element_size()
     strides = _contiguous_strides(p.lengths)
-    rel = [o - po for o, po in zip(item.offsets, p.offsets)]
-    first = sum(r * s for r, s in zip(rel, strides)) * esize
-    flat = buf[first - span_lo:].view(item.dest.dtype)
+    flat = buf[_first_byte(item) - span_lo:].view(item.dest.dtype)
     src = torch.as_strided(flat, item.lengths, strides, flat.storage_offset())
     dest = item.dest.detach()
     with torch.no_grad(), metrics.phase("copy", dest.nbytes):
-        one_run = dest.is_contiguous() and src.is_contiguous() and not (dest.is_conj() or dest.is_neg())
-        if one_run and dest.device.type == "cpu":
+        if _one_run(dest, src) and dest.device.type == "cpu":
             # One run of bytes: one copy without the GIL, with non-temporal stores where it is large
             # (memcopy.py: ~0.6-0.7x the time of memcpy's or the kernel's copy here).
             memcopy.copy(byte_view(dest).numpy(), np.frombuffer(tensor_bytes(src), np.uint8))
-        elif one_run and dest.device.type == "cuda":  # through pinned chunks: a pageable copy is synchronous and slow
+        elif _one_run(dest, src) and dest.device.type == "cuda":  # pinned chunks: a pageable copy is slow
             with bounce(dest.device) as b:
                 b.upload(dest, tensor_bytes(src))
         else:
             dest.copy_(src)
 
+
+def _one_run(dest: torch.Tensor, src: torch.Tensor) -> bool:
+    return dest.is_contiguous() and src.is_contiguous() and not (dest.is_conj() or dest.is_neg())
+
+
+def _one_run_of_piece(item: ReadItem) -> bool:
+    """Whether the item's box is one run of bytes of its piece (row-major): ones, then at most one
+    partial dimension, then whole ones."""
+    dims = list(zip(item.lengths, item.piece.lengths))
+    k = next((i for i, (n, _) in enumerate(dims) if n != 1), len(dims))
+    return all(n == whole for n, whole in dims[k + 1:])
+
+
+# Bytes verified, then copied, at a time (`copy_verified`): small enough to stay in a core's L2
+# cache between the two, so the copy reads them from there instead of from memory.
+FUSED_BYTES = 1 << 20
+
+
+def copy_verified(item: ReadItem, buf: torch.Tensor, span_lo: int, files: tuple[str, ...], block: int,
+                  skip: Container[tuple[str, int]] = ()) -> bool:
+    """Verify the item's bytes in `buf` (its piece's bytes from piece offset `span_lo`, whole
+    checksum blocks) and copy them into its destination in one pass: each `FUSED_BYTES` of a block
+    is hashed, then copied while still in the core's cache, and each block's checksum is checked
+    once its last part is hashed, before the next block is touched. A block that fails leaves its
+    bytes and those before it in the destination: only for destinations that are not the caller's
+    state (`ReadItem.fresh`, the tools' buffers). False (nothing done) where the item is not one
+    contiguous run into host memory; `copy_from_span` then verifies first and copies after."""
+    dest = item.dest.detach()
+    if dest.device.type != "cpu" or not dest.is_contiguous() or dest.is_conj() or dest.is_neg() \
+            or not _one_run_of_piece(item):
+        return False
+    p = item.piece
+    first = _first_byte(item)
+    dst = np.frombuffer(tensor_bytes(dest), np.uint8) if dest.numel() else np.empty(0, np.uint8)
+    src = np.frombuffer(tensor_bytes(buf), np.uint8) if buf.numel() else np.empty(0, np.uint8)
+    end = first + len(dst)  # piece offsets [first, end) go to dst
+    file = files[p.file]
+    hashing, t_start = 0.0, time.time()
+    with torch.no_grad(), metrics.phase("copy", len(dst)):
+        for b in range(first // block, num_blocks(end, block) if end else 0):
+            lo, hi = b * block, min((b + 1) * block, p.nbytes)
+            check = (file, p.byte_offset + lo) not in skip if skip else True
+            h = xxhash.xxh3_64() if check else None
+            for s in range(lo, hi, FUSED_BYTES):
+                e = min(s + FUSED_BYTES, hi)
+                if h is not None:
+                    t0 = time.perf_counter()
+                    h.update(src[s - span_lo:e - span_lo])
+                    hashing += time.perf_counter() - t0
+                c_lo, c_hi = max(s, first), min(e, end)
+                if c_lo < c_hi:
+                    memcopy.copy(dst[c_lo - first:c_hi - first], src[c_lo - span_lo:c_hi - span_lo])
+            if h is not None and h.intdigest() != p.checksums[b]:
+                raise ChecksumError(f"checksum mismatch in {file} bytes [{p.byte_offset + lo}, {p.byte_offset + hi}) "
+                                    f"of tensor {item.fqn!r} (piece offsets {list(p.offsets)} lengths "
+                                    f"{list(p.lengths)}): the data file is corrupted")
+    rec = metrics.current()
+    if rec is not None:  # hashing is spread over the copy: its total, from the copy's start
+        rec.add("checksum", t_start, t_start + hashing, len(dst))
+    return True
+
+
 def copy_from_span(item: ReadItem, buf: torch.Tensor, span_lo: int, files: tuple[str, ...], block: int,
                    verify: bool, skip: Container[tuple[str, int]] = ()) -> None:
-    """Verify `buf` (piece bytes from `span_lo`) and copy the item's elements into its destination."""
+    """Verify `buf` (piece bytes from `span_lo`) and copy the item's elements into its destination
+    (not the caller's state: a failed check may leave part of them there)."""
+    if verify and copy_verified(item, buf, span_lo, files, block, skip):
+        return
     if verify:
         _verify(tensor_bytes(buf), span_lo, item, files[item.piece.file], block, skip)
     copy_span(item, buf, span_lo)
@@ -177,9 +245,8 @@ class FileMaps:
             warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": only ever read from
             return torch.frombuffer(mapped[offset:offset + nbytes], dtype=torch.uint8)
 
+
 @metrics.timed("read", nbytes=lambda buf, *_, **__: buf.numel())
-
-
 def read_span(storage: Storage, files: tuple[str, ...], item: ReadItem, lo: int, hi: int,
               maps: FileMaps | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Bytes [lo, hi) of the item's piece: a view of its file's map if there is one, else read into
@@ -206,8 +273,9 @@ def read_item(storage: Storage, files: tuple[str, ...], block: int, item: ReadIt
         return
     lo, hi = item_span(item, block, verify)
     dest = item.dest.detach()
-    if (tuple(item.lengths) == tuple(p.lengths) and dest.is_contiguous() and dest.device.type == "cpu"
-            and (lo, hi) == (0, p.nbytes)):
+    mapped = maps.view(files[p.file], p.byte_offset + lo, hi - lo) if maps is not None else None
+    if mapped is None and (tuple(item.lengths) == tuple(p.lengths) and dest.is_contiguous()
+                           and dest.device.type == "cpu" and (lo, hi) == (0, p.nbytes)):
         out = tensor_bytes(dest)  # zero-copy: read straight into the destination
         try:
             with metrics.phase("read", p.nbytes):
@@ -218,7 +286,9 @@ def read_item(storage: Storage, files: tuple[str, ...], block: int, item: ReadIt
         if verify:
             _verify(out, 0, item, files[p.file], block, skip)
         return
-    copy_from_span(item, read_span(storage, files, item, lo, hi, maps), lo, files, block, verify, skip)
+    # from a map: verified and copied in one pass (copy_verified) where the bytes lie in one run
+    copy_from_span(item, mapped if mapped is not None else read_span(storage, files, item, lo, hi), lo, files,
+                   block, verify, skip)
 
 def read_all(storage: Storage, files: tuple[str, ...], block: int, items: Iterable[ReadItem],
              verify: bool, num_threads: int, skip: Container[tuple[str, int]] = ()) -> None:

@@ -55,6 +55,11 @@ ALIGN = 4096
 # What a direct-I/O write call should bring (FileWriter.write_bytes): the engine hashes that much,
 # then hands it over, so the copy into the aligned buffer reads bytes still in the core's cache.
 DIRECT_WRITE_BYTES = 1 << 20
+# Aligned buffers a direct-I/O writer has in flight at once, each on an I/O thread of its own: a
+# few, so that the device always has the next request while the writer's thread hashes and copies
+# (on the development VM, under other processes' load, one in flight let the device idle whenever
+# that thread waited for a core; the raw device wrote alike at any depth).
+IN_FLIGHT = 4
 
 
 def _address(data: memoryview) -> int:
@@ -94,7 +99,7 @@ class _AlignedBuffers:
     a file was written sooner (bench/io_cpu.py, the development VM)."""
 
     BYTES = 2 << 20
-    KEEP = 4
+    KEEP = 4 * (IN_FLIGHT + 1)  # the buffers of up to 4 writers (a rank's files written at once)
 
     def __init__(self):
         self._free: list[mmap.mmap] = []
@@ -143,9 +148,9 @@ class _LocalWriter(FileWriter):
     The bytes go to a new temporary file in the target's directory (`dir_fd`, owned by the writer
     from now on); `close` renames it into place, `abort` deletes it. Each descriptor is closed once.
 
-    Direct I/O: the bytes are copied into a page-aligned buffer (`_ALIGNED`); a full buffer is
-    written by a thread of the writer's own while the next one fills, so copying and the device
-    overlap and writes of any size cost one copy (`write_bytes`: the engine hands over 1 MiB at a
+    Direct I/O: the bytes are copied into a page-aligned buffer (`_ALIGNED`); full buffers are
+    written by threads of the writer's own (up to `IN_FLIGHT` at once) while the next one fills, so
+    copying and the device overlap and writes of any size cost one copy (`write_bytes`: the engine hands over 1 MiB at a
     time, just hashed). `write_in_place` of at least `IN_PLACE_BYTES` whose address agrees with the
     file position modulo `ALIGN` (the engine lays files out so) copies nothing: its aligned bulk
     goes to the device from the caller's memory before it returns, its ends through the buffers. The
@@ -177,11 +182,11 @@ class _LocalWriter(FileWriter):
         self.write_bytes = DIRECT_WRITE_BYTES if self.direct else None
         self.align = ALIGN if self.direct else 0
         self.pos = 0  # bytes taken so far
-        # direct I/O: the buffer being filled (bytes [pos - fill, pos) of the file), and the previous
-        # one while its write is in flight: (future, buffer, file offset, bytes)
+        # direct I/O: the buffer being filled (bytes [pos - fill, pos) of the file), and the full ones
+        # whose writes are in flight, oldest first: (future, buffer, file offset, bytes)
         self.buf: mmap.mmap | None = None
         self.fill = 0
-        self.inflight: tuple[Future, mmap.mmap, int, int] | None = None
+        self.inflight: list[tuple[Future, mmap.mmap, int, int]] = []
         self.pool: ThreadPoolExecutor | None = None
 
     def write(self, data: memoryview) -> None:
@@ -256,23 +261,27 @@ class _LocalWriter(FileWriter):
         return data
 
     def _submit(self) -> None:
-        """Hand the buffer being filled (it ends at an aligned offset) to the I/O thread, once the
-        one in flight is written."""
-        self._wait_inflight()
+        """Hand the buffer being filled (it ends at an aligned offset) to the I/O threads, once
+        fewer than `IN_FLIGHT` writes are in flight."""
+        if len(self.inflight) >= IN_FLIGHT:
+            self._wait_oldest()
         if self.pool is None:
-            self.pool = ThreadPoolExecutor(1, thread_name_prefix="bcp-io")
+            self.pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="bcp-io")
         buf, at, n = self.buf, self.pos - self.fill, self.fill
         self.buf, self.fill = None, 0
-        self.inflight = (self.pool.submit(_pwrite_all, self.fd, memoryview(buf)[:n], at), buf, at, n)
+        self.inflight.append((self.pool.submit(_pwrite_all, self.fd, memoryview(buf)[:n], at), buf, at, n))
+
+    def _wait_oldest(self) -> None:
+        """Wait for the oldest write in flight; its buffer goes back to the pool once written."""
+        future, buf, _, _ = self.inflight[0]
+        future.result()  # raises its OSError, the buffer still held
+        self.inflight.pop(0)
+        _ALIGNED.put(buf)
 
     def _wait_inflight(self) -> None:
-        """Wait for the buffer in flight; it goes back to the pool once written."""
-        if self.inflight is None:
-            return
-        future, buf, _, _ = self.inflight
-        future.result()  # raises its OSError, the buffer still held
-        self.inflight = None
-        _ALIGNED.put(buf)
+        """Wait for every write in flight."""
+        while self.inflight:
+            self._wait_oldest()
 
     def _stop_direct(self) -> None:
         """Go on buffered: rewrite through the page cache what direct I/O has not written."""
@@ -281,11 +290,10 @@ class _LocalWriter(FileWriter):
         fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
         self.direct = False
         pending = []
-        if self.inflight is not None:
-            future, buf, at, n = self.inflight
-            self.inflight = None
+        for future, buf, at, n in self.inflight:
             future.exception()  # ended (it failed, or a later write failed)
             pending.append((buf, at, n))
+        self.inflight = []
         if self.buf is not None:
             pending.append((self.buf, self.pos - self.fill, self.fill))
             self.buf, self.fill = None, 0
@@ -344,9 +352,8 @@ class _LocalWriter(FileWriter):
 
     def _end_io(self) -> None:
         """The I/O thread ended (its write waited for, whatever its outcome), the buffers given back."""
-        if self.inflight is not None:
-            future, buf, _, _ = self.inflight
-            self.inflight = None
+        inflight, self.inflight = self.inflight, []
+        for future, buf, _, _ in inflight:
             future.exception()
             _ALIGNED.put(buf)
         if self.buf is not None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import accelerate.accelerator as _acc_module
 from accelerate import Accelerator
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import bcp_core as bcp
 from bcp_core import integration
@@ -42,6 +43,12 @@ class BCPAccelerateCheckpointer:
     With ``preemption=True``, ``preemption`` is bcp's `Preemption` (SIGTERM handler) and
     ``stop_requested()`` is the check the training loop makes once per step (Accelerate has no
     step hooks of its own).
+
+    With ``async_save``, once every prepared optimizer has taken its first step (their state
+    exists then) the checkpointer calls ``bcp.prepare_save`` with the state its saves will hold,
+    from a step post-hook of those optimizers: the plan is made and the staging buffers are
+    allocated in the background, so the first ``save_state`` stalls training no longer than later
+    ones. A ``save_state`` before that first step makes its own.
     """
 
     def __init__(self, accelerator: Accelerator, async_save: bool = True, num_threads: int | None = None,
@@ -58,6 +65,8 @@ class BCPAccelerateCheckpointer:
         self.loaded_path: str | None = None  # where the last load_state read from
         self.handles = [accelerator.register_save_state_pre_hook(self._save_hook),
                         accelerator.register_load_state_pre_hook(self._load_hook)]
+        self._stepped: set[int] = set()  # ids of the optimizers that have stepped, until prepared
+        self._prepare_hook = register_optimizer_step_post_hook(self._after_step) if async_save else None
         accelerator.save_state = self._wrap(self._tiers_folder(accelerator.save_state))
         accelerator.load_state = self._wrap(self._newest_committed(accelerator.load_state), wait_first=True)
         accelerator.end_training = self._wrap_end(accelerator.end_training)
@@ -140,26 +149,50 @@ class BCPAccelerateCheckpointer:
         if real is None:
             raise RuntimeError("bcp hooks run only inside the save_state/load_state of the accelerator they "
                                "were registered on")
-        # models as prepared (DDP, FSDP, a DeepSpeed engine with its counters), the rest unwrapped
-        state = run_state(real["_models"], real["_optimizers"], real["_schedulers"], real["scaler"], rng=False)
-        for i, obj in enumerate(real["_custom_objects"]):
-            state["custom" if i == 0 else f"custom_{i}"] = obj
-        return state
+        return _objects_state(real)
 
-    def _stateful_loaders(self) -> dict[str, Any]:
+    def _stateful_loaders(self, dataloaders: list | None = None) -> dict[str, Any]:
         """Prepared dataloaders with a state of their own (``use_stateful_dataloader=True``), through
         bcp's loader support: one part per process, restored with the same number of processes."""
         acc = self.accelerator
+        loaders = self._real["_dataloaders"] if dataloaders is None else dataloaders
         return {("dataloader" if i == 0 else f"dataloader_{i}"): checkpointable(dl, acc.process_index,
                                                                                 acc.num_processes)
-                for i, dl in enumerate(self._real["_dataloaders"]) if getattr(dl, "use_stateful_dataloader", False)}
+                for i, dl in enumerate(loaders) if getattr(dl, "use_stateful_dataloader", False)}
+
+    def _save_state(self, real: dict[str, Any]) -> dict[str, Any]:
+        """What a save holds, from the accelerator's objects `real` (as `_HIDDEN` names them)."""
+        state = _objects_state(real)
+        state["extra_state"] = {"rng": rng_state(), "step": self.accelerator.step,
+                                "data_position": [_loader_position(dl) for dl in real["_dataloaders"]]}
+        state.update(self._stateful_loaders(real["_dataloaders"]))
+        return state
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        """Step post-hook: once every prepared optimizer has stepped, prepare the first save."""
+        acc = self.accelerator
+        if self._real is not None:  # inside a save_state/load_state call: nothing steps there
+            return
+        mine = [integration.unwrapped(o) for o in acc._optimizers]
+        if not any(optimizer is o for o in mine):
+            return
+        self._stepped.add(id(optimizer))
+        if not all(id(o) in self._stepped for o in mine):
+            return
+        self._stop_preparing()
+        real = {name: getattr(acc, name) for name in _HIDDEN} | {"scaler": acc.scaler}
+        bcp.prepare_save(self._save_state(real))
+
+    def _stop_preparing(self) -> None:
+        hook, self._prepare_hook = self._prepare_hook, None
+        if hook is not None:
+            hook.remove()
+            self._stepped.clear()
 
     def _save_hook(self, models, weights, output_dir) -> None:
         self.wait()
-        state = self._state()
-        state["extra_state"] = {"rng": rng_state(), "step": self.accelerator.step,
-                                "data_position": [_loader_position(dl) for dl in self._real["_dataloaders"]]}
-        state.update(self._stateful_loaders())
+        self._stop_preparing()  # this save allocates its buffers itself
+        state = self._save_state(self._real)
         rotate = None
         acc = self.accelerator
         if self.tiers is not None:  # every node's memory, its replicas, durable every N-th step (docs/tiers.md)
@@ -248,6 +281,15 @@ def _install_skips() -> None:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+def _objects_state(real: dict[str, Any]) -> dict[str, Any]:
+    """Models as prepared (DDP, FSDP, a DeepSpeed engine with its counters), optimizers and
+    schedulers unwrapped, custom objects and the scaler, as bcp state keys."""
+    state = run_state(real["_models"], real["_optimizers"], real["_schedulers"], real["scaler"], rng=False)
+    for i, obj in enumerate(real["_custom_objects"]):
+        state["custom" if i == 0 else f"custom_{i}"] = obj
+    return state
+
 
 def _loader_position(dl) -> dict[str, Any]:
     # The values Accelerate tracks itself: the epoch counter and a seedable sampler's seed/epoch

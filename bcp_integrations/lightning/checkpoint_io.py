@@ -154,13 +154,7 @@ class BCPCheckpointIO(CheckpointIO):
                             "understands (s3://, gs://, ...) as the checkpoint path instead")
         self.wait()  # one save in flight at a time; also makes re-saving to the same path safe
         self.log_metrics(strategy)
-        state: dict[str, Any] = {"model": strategy.model}
-        if "optimizer_states" in checkpoint:  # absent for save_weights_only
-            for i, opt in enumerate(strategy.optimizers):
-                state[f"optimizer_{i}"] = opt
-            state.update(companions([strategy.model], state))  # a DeepSpeed engine's counters
-        rest = {k: v for k, v in checkpoint.items() if k not in _TENSOR_KEYS}
-        rest = _move_loader_states(strategy, rest, state)
+        state, rest = _bcp_state(strategy, checkpoint)
         try:
             encoded = codec.encode(_plain(rest), "Lightning checkpoint", self.allow_pickle)
         except bcp.UnsupportedValueError as e:
@@ -196,6 +190,22 @@ class BCPCheckpointIO(CheckpointIO):
         except BaseException:
             self._settle(None)
             raise
+
+    def prepare_all_ranks(self, trainer) -> None:
+        """Get the first save ready (`bcp.prepare_save`, collective): called by `StagingPreparation`
+        after the first optimizer step, with the state a save of this run holds (the optimizers
+        unless every checkpoint callback saves weights only)."""
+        strategy = trainer.strategy
+        weights_only = bool(trainer.checkpoint_callbacks) and all(
+            getattr(c, "save_weights_only", False) for c in trainer.checkpoint_callbacks)
+        checkpoint: dict[str, Any] = {"loops": {"fit_loop": {"state_dict": trainer.fit_loop.on_save_checkpoint()}}}
+        if not weights_only:
+            checkpoint["optimizer_states"] = []
+        state, _ = _bcp_state(strategy, checkpoint)
+        state["lightning"] = ""  # a value: its structure, not its text, is what a save is planned for
+        if self.save_rng:
+            state["extra_state"] = {"rng": rng_state()}
+        bcp.prepare_save(state)
 
     def log_metrics(self, strategy: Strategy) -> None:
         """Hand the phase timings of the last committed save (and load) to the trainer's loggers,
@@ -294,6 +304,8 @@ class BCPStrategyMixin(ABC):  # noqa: B024 - ABC for the object layout, not for 
 
     def setup(self, trainer) -> None:
         super().setup(trainer)
+        if self.bcp_io.async_save and not any(isinstance(c, StagingPreparation) for c in trainer.callbacks):
+            trainer.callbacks.append(StagingPreparation())
         if self.bcp_io.preemption is not None:
             _drop_lightning_sigterm_notifier(trainer._signal_connector)
             if not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
@@ -304,6 +316,25 @@ class BCPStrategyMixin(ABC):  # noqa: B024 - ABC for the object layout, not for 
         self.bcp_io.wait()
         self.bcp_io.log_metrics(self)
         super().teardown()
+
+
+class StagingPreparation(Callback):
+    """Added by the mixin for asynchronous saves: after the first optimizer step of a fit (the
+    optimizers' state exists then) every rank calls `BCPCheckpointIO.prepare_all_ranks`, which
+    plans the saves and allocates their staging buffers in the background (`bcp.prepare_save`), so
+    the first checkpoint stalls training no longer than later ones. Only where the run saves
+    checkpoints (a checkpoint callback, or preemption); a save before it makes its own buffers."""
+
+    def __init__(self):
+        self._done = False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._done or trainer.global_step < 1:
+            return
+        self._done = True
+        io = trainer.strategy.bcp_io
+        if trainer.checkpoint_callbacks or io.preemption is not None:
+            io.prepare_all_ranks(trainer)
 
 
 class PreemptionCheckpoint(Callback):
@@ -468,6 +499,19 @@ _install_binding()
 
 # bcp keys of the train loaders' states: "dataloader", "dataloader_1", ... (one per stateful loader)
 _LOADER_KEY = re.compile(r"^dataloader(_\d+)?$")
+
+
+def _bcp_state(strategy: Strategy, checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A save's bcp state for Lightning's checkpoint dict: the live model, the optimizers (unless
+    the checkpoint is weights only), the train loaders' states; and the rest of the dict, which
+    goes in as one value."""
+    state: dict[str, Any] = {"model": strategy.model}
+    if "optimizer_states" in checkpoint:  # absent for save_weights_only
+        for i, opt in enumerate(strategy.optimizers):
+            state[f"optimizer_{i}"] = opt
+        state.update(companions([strategy.model], state))  # a DeepSpeed engine's counters
+    rest = {k: v for k, v in checkpoint.items() if k not in _TENSOR_KEYS}
+    return state, _move_loader_states(strategy, rest, state)
 
 
 def _fit_loop_state(checkpoint: dict) -> dict | None:
