@@ -17,6 +17,12 @@ for w in $wheels; do  # other versions of the same package go
     stem=$(echo "${w%%==*}" | tr - _)
     find .whl -maxdepth 1 -name "${stem}-*.whl" ! -name "${stem}-${w##*==}-*" -print -delete
 done
+# deepspeed publishes no wheel: built here (pure Python; its setup imports torch, hence no isolation)
+built=$(echo "$wheels" | tr ' ' '\n' | grep '^deepspeed==' || true)
+wheels=$(echo "$wheels" | tr ' ' '\n' | grep -v '^deepspeed==' | tr '\n' ' ')
+if [ -n "$built" ] && ! ls .whl/deepspeed-"${built##*==}"-*.whl >/dev/null 2>&1; then
+    DS_BUILD_OPS=0 "$py" -m pip wheel -q --no-deps --no-build-isolation -w .whl "$built"
+fi
 # shellcheck disable=SC2086
 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \

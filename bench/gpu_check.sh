@@ -6,20 +6,23 @@
 #     bash bench/gpu_check.sh --print-wheels  the wheels it installs (bench/fetch_gpu_wheels.sh fetches them)
 #
 # Without network: installs the wheels carried in .whl/ and bcp from this working tree, runs
-# tests/test_cuda.py and tests/test_device_integrations.py (a GPU torch cannot see is a failure
-# there), bench/gpu_integrations.py (the first checkpoint step through each integration) and
-# bench/gpu.py (bcp against DCP, the floors) within BCP_GPU_CHECK_S seconds (480), and writes into
+# tests/test_cuda.py, tests/test_device_integrations.py and tests/test_cuda_deepspeed.py (a GPU
+# torch cannot see is a failure there), bench/gpu_integrations.py (the first checkpoint step
+# through each integration) and bench/gpu.py (bcp against DCP, the floors) within BCP_GPU_CHECK_S seconds (480), and writes into
 # OUT: summary.txt, env.txt, pytest.txt, pytest_junit.xml, bench_integrations.json,
 # bench_integrations.txt, bench_gpu.json, bench_gpu.txt. Exit status 0 only if the tests and both
 # benches passed.
 set -uo pipefail
 
-WHEELS="megatron-core==0.16.1 tenacity==9.2.1"  # what bcp's tests need that the GPU machine's image lacks
+# what bcp's tests need that the GPU machine's image lacks (deepspeed: built here, pure Python; the
+# rest of its requirements are in the image)
+WHEELS="megatron-core==0.16.1 tenacity==9.2.1 deepspeed==0.19.8 hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5
+        annotated-types==0.8.0 typing-inspection==0.4.5"
 TOTAL_S=${BCP_GPU_CHECK_S:-480}   # everything, from the install to the summary
 TESTS_S=${BCP_GPU_TESTS_S:-210}   # the tests at most (0: no tests)
 INTEGRATIONS_S=${BCP_GPU_INTEGRATIONS_S:-100}  # the integrations' bench at most (0: none); bench/gpu.py gets the rest
 BENCH_GIB=${BCP_GPU_GIB:-4}       # state sizes of bench/gpu.py, smallest first (BCP_GPU_SYSTEMS: its systems, bcp,dcp)
-TEST_FILES="tests/test_cuda.py tests/test_device_integrations.py"
+TEST_FILES="tests/test_cuda.py tests/test_device_integrations.py tests/test_cuda_deepspeed.py"
 
 if [ "${1:-}" = --print-wheels ]; then
     echo "$WHEELS"

@@ -12,7 +12,7 @@ common.pt). Checkpoints go to DIR/iter_<7 digits> as Megatron-LM schedules them:
 `AsyncCallsQueue`, with a finalize function writing DIR/latest_checkpointed_iteration.txt (as
 Megatron-LM does), every --save-interval iterations and after the last one. --end: how the process
 ends right after its last save: "finalize" (as Megatron-LM's training ends: the queue finalized,
-blocking, and closed; then the script falls off the end), or without finalizing: "script" (falls
+blocking, and closed; then the process ends, its exit handlers run), or without finalizing: "script" (falls
 off the end), "sys_exit" (sys.exit(0)), "exception" (an uncaught exception). With --preemption,
 SIGTERM leads to a checkpoint at the iteration every rank agrees on, the queue finalized, exit 143.
 Each iteration writes DIR/progress_rank<r> ("<iteration> <pid>"), and at --pause-at waits for the
@@ -199,6 +199,12 @@ def main() -> None:
         with megatron_queue_on_cpu():
             queue.maybe_finalize_async_calls(blocking=True)
             queue.close()
+        # every save is committed by now: the process ends past the torch 2.13 + gloo abort at
+        # interpreter teardown (docs/integrations.md, "Shared notes"), exit handlers run; the endings
+        # below end naturally
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "recipes"))
+        from _launch import exit_without_teardown
+        exit_without_teardown()
     elif args.end == "sys_exit":
         sys.exit(0)
     elif args.end == "exception":

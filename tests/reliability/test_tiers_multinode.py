@@ -79,6 +79,7 @@ def _check_durable(base, step: int) -> None:
     assert target["step"] == step
 
 
+@pytest.mark.slow  # the default tier's lost node: tests/test_tiers.py
 def test_node_lost_during_replication_resumes_on_two_nodes(tmp_path):
     """Node 1 dies while step 6's replicas travel: step 6 never committed, so the restart on 2 nodes
     (4 ranks) resumes step 5 from the survivors' memory (node 1's pieces from their replicas)."""
