@@ -15,7 +15,7 @@ from bcp_core.extras import require_extra
 # Before the imports below: a missing framework is one line naming the extra, not a traceback.
 require_extra("deepspeed", "the DeepSpeed integration (bcp_integrations.deepspeed)")
 
-from .adapter import DeepSpeedAdapter, is_engine, module_of, zero_optimizer_of  # noqa: E402
-from .engine import EngineCounters, engine_state  # noqa: E402
+from .adapter import DeepSpeedAdapter, module_of  # noqa: E402
+from .engine import EngineCounters, engine_state, is_engine, zero_optimizer_of  # noqa: E402
 
 __all__ = ["DeepSpeedAdapter", "EngineCounters", "engine_state", "is_engine", "module_of", "zero_optimizer_of"]

@@ -42,17 +42,10 @@ from bcp_core.metadata import CheckpointMetadata
 from bcp_core.shards import Box, ShardedView, range_boxes
 from bcp_core.utils import this_rank
 
+from .engine import EngineCounters, is_engine, is_zero, zero_optimizer_of
+
 # DeepSpeed versions whose ZeRO internals this adapter was written against and tested with.
 TESTED_DEEPSPEED = ((0, 16), (0, 19))
-
-
-def _engine_class():
-    from deepspeed.runtime.engine import DeepSpeedEngine
-    return DeepSpeedEngine
-
-
-def is_engine(obj: Any) -> bool:
-    return isinstance(obj, _engine_class())
 
 
 def module_of(model: nn.Module) -> nn.Module:
@@ -186,34 +179,6 @@ class ZeroLayout:
             opt.update_lp_params()
 
 
-def zero_optimizer_of(obj: Any):
-    """The ZeRO optimizer an engine, a module trained by one, or an optimizer wrapper refers to; None
-    if there is none (DeepSpeed without ZeRO: the optimizer is a torch one, handled as for a plain model)."""
-    if is_engine(obj):
-        obj = obj.optimizer
-    if isinstance(obj, nn.Module):
-        for p in obj.parameters():
-            for attr in ("_z3_optimizer", "_zero_optimizer"):
-                if getattr(p, attr, None) is not None:
-                    return getattr(p, attr)
-        return None
-    while obj is not None and not _is_zero(obj) and hasattr(obj, "optimizer") and obj.optimizer is not obj:
-        obj = obj.optimizer
-    return obj if _is_zero(obj) else None
-
-
-# What tells DeepSpeed's optimizers apart: ZeRO-3, ZeRO-1/2, the bf16 optimizer, the fp16 optimizers
-# (fused: flat master copies per group; unfused: one per parameter)
-_MASTER_COPIES = ("fp32_partitioned_groups_flat", "bit16_groups", "fp32_groups_flat_partition", "fp32_groups_flat",
-                  "fp32_groups")
-
-
-def _is_zero(obj: Any) -> bool:
-    """A DeepSpeed optimizer that keeps fp32 master copies of the parameters (ZeRO, bf16, fp16)."""
-    return obj is not None and type(obj).__module__.startswith("deepspeed.") and \
-        any(hasattr(obj, a) for a in _MASTER_COPIES)
-
-
 def layout_of(opt) -> ZeroLayout:
     """Where each parameter of `opt` lives, read afresh (a DeepSpeed load relinks the fragments)."""
     return ZeroLayout(opt)
@@ -232,7 +197,7 @@ class DeepSpeedAdapter(ModuleAdapter):
         return is_engine(module) or zero_optimizer_of(module) is not None
 
     def is_optimizer(self, obj: Any) -> bool:
-        return isinstance(obj, torch.optim.Optimizer) or _is_zero(obj)
+        return isinstance(obj, torch.optim.Optimizer) or is_zero(obj)
 
     # -- model -----------------------------------------------------------------------------------
 
@@ -279,7 +244,6 @@ class DeepSpeedAdapter(ModuleAdapter):
     def companions(self, module: nn.Module) -> dict[str, Any]:
         if not is_engine(module):
             return {}
-        from .engine import EngineCounters
         return {"engine": EngineCounters(module)}
 
     # -- optimizer: save -------------------------------------------------------------------------

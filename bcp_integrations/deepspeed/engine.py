@@ -1,12 +1,51 @@
-"""What a DeepSpeed engine holds beyond its model and optimizer: counters and the loss scaler."""
+"""What a DeepSpeed engine is, which optimizer it trains with, and what it holds beyond its model and
+optimizer: counters and the loss scaler."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+
 from bcp_core.errors import BCPError
 
-from .adapter import is_engine, zero_optimizer_of
+
+def _engine_class():
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    return DeepSpeedEngine
+
+
+def is_engine(obj: Any) -> bool:
+    return isinstance(obj, _engine_class())
+
+
+def zero_optimizer_of(obj: Any):
+    """The ZeRO optimizer an engine, a module trained by one, or an optimizer wrapper refers to; None
+    if there is none (DeepSpeed without ZeRO: the optimizer is a torch one, handled as for a plain model)."""
+    if is_engine(obj):
+        obj = obj.optimizer
+    if isinstance(obj, nn.Module):
+        for p in obj.parameters():
+            for attr in ("_z3_optimizer", "_zero_optimizer"):
+                if getattr(p, attr, None) is not None:
+                    return getattr(p, attr)
+        return None
+    while obj is not None and not is_zero(obj) and hasattr(obj, "optimizer") and obj.optimizer is not obj:
+        obj = obj.optimizer
+    return obj if is_zero(obj) else None
+
+
+# What tells DeepSpeed's optimizers apart: ZeRO-3, ZeRO-1/2, the bf16 optimizer, the fp16 optimizers
+# (fused: flat master copies per group; unfused: one per parameter)
+_MASTER_COPIES = ("fp32_partitioned_groups_flat", "bit16_groups", "fp32_groups_flat_partition", "fp32_groups_flat",
+                  "fp32_groups")
+
+
+def is_zero(obj: Any) -> bool:
+    """A DeepSpeed optimizer that keeps fp32 master copies of the parameters (ZeRO, bf16, fp16)."""
+    return obj is not None and type(obj).__module__.startswith("deepspeed.") and \
+        any(hasattr(obj, a) for a in _MASTER_COPIES)
+
 
 # The loss scaler's attributes that change while training (DeepSpeed's DynamicLossScaler); the rest
 # comes from the configuration.

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import functools
 import io
+from collections.abc import Callable
 
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
@@ -44,7 +45,6 @@ from bcp_core.errors import IncompleteCheckpointError, NotACheckpointError
 from bcp_core.tiers import locate
 from bcp_core.utils import this_rank
 
-from . import megatron_lm
 from .adapter import build_factories, iter_leaves, load_state, merge_factories, save_state
 from .layouts import saved_tensors, to_saved_layout
 from .strategy import COMMON_STATE_KEY, _async_request, _translated
@@ -59,9 +59,9 @@ def requested() -> bcp.Tiers | None:
 
 # ----------------------------------------------------------------------------- 1. the arguments
 
-def hook_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """After `parser` parses (Megatron-LM's own parser): a bcp run's local checkpoint type is taken
-    over (module doc). Idempotent."""
+def hook_parser(parser: argparse.ArgumentParser, bcp_selected: Callable[[], bool]) -> argparse.ArgumentParser:
+    """After `parser` parses (Megatron-LM's own parser): the local checkpoint type of a run that
+    `bcp_selected()` (`--ckpt-format bcp`) is taken over (module doc). Idempotent."""
     if getattr(parser.parse_known_args, "_bcp_local", False):
         return parser
     original = parser.parse_known_args
@@ -69,7 +69,8 @@ def hook_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     @functools.wraps(original)
     def parse_known_args(*args, **kwargs):
         namespace, rest = original(*args, **kwargs)
-        _take_over(namespace)
+        if bcp_selected():
+            _take_over(namespace)
         return namespace, rest
 
     parse_known_args._bcp_local = True
@@ -78,7 +79,7 @@ def hook_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _take_over(ns: argparse.Namespace) -> None:
-    if not megatron_lm.bcp_selected() or getattr(ns, "non_persistent_ckpt_type", None) != "local":
+    if getattr(ns, "non_persistent_ckpt_type", None) != "local":
         return
     directory = getattr(ns, "non_persistent_local_ckpt_dir", None)
     if not directory:

@@ -91,7 +91,8 @@ def enable_megatron_lm() -> None:
     from . import local_checkpoints  # --non-persistent-ckpt-type local served by bcp's tiers
 
     def add_megatron_arguments(parser: argparse.ArgumentParser, *args, **kwargs):
-        return local_checkpoints.hook_parser(add_ckpt_format_choice(original(parser, *args, **kwargs)))
+        return local_checkpoints.hook_parser(add_ckpt_format_choice(original(parser, *args, **kwargs)),
+                                             bcp_selected)
 
     arguments.add_megatron_arguments = add_megatron_arguments
     local_checkpoints.enable()
