@@ -1,6 +1,6 @@
 """bcp vs PyTorch DCP on the same sharded state, in one run, with the physical floors.
 
-    python bench/compare.py [--gib 1.0] [--ranks 2] [--dir /tmp/bcp_bench] [--json out.json] [--only load]
+    python bench/compare.py [--gib 1.0] [--ranks 2] [--dir /tmp/bcp_bench] [--json out.json] [--only load|save]
 
 Every rank holds its shard of a set of FSDP-style Shard(0) DTensors (GIB in all). Measured, as
 the slowest rank (wall time between barriers):
@@ -444,13 +444,16 @@ def main():
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir, removed after)")
     ap.add_argument("--json", default=None, help="also write the table to this file")
-    ap.add_argument("--only", choices=("all", "load"), default="all",
-                    help="'load': only the read floors and the loads of both systems (default: all)")
+    ap.add_argument("--only", choices=("all", "load", "save"), default="all",
+                    help="'load': only the read floors and the loads of both systems; 'save': only the durable "
+                         "saves against the disk's floor (default: all)")
     args = ap.parse_args()
     root = args.dir or tempfile.mkdtemp(prefix="bcp_bench_")
     os.makedirs(root, exist_ok=True)
     if args.only == "load":
         return _print(_load_table(args, root), args.json)
+    if args.only == "save":
+        return _print(_save_table(args, root), args.json)
     try:
         floors = _run("floors", args.ranks, args.gib, root)
         first: dict[str, list[dict]] = {s: [] for s in FIRST_SYSTEMS}
@@ -530,6 +533,20 @@ def _load_table(args, root) -> dict:
             "resharded_unshared_load_speedup_vs_dcp": dcp_r["load_resharded_s"] / bcp_r["load_resharded_unshared_s"],
             "peak_anon_bcp_over_dcp": bcp_r["peak_anon_mib"] / dcp_r["peak_anon_mib"],
         },
+    }
+
+
+def _save_table(args, root) -> dict:
+    try:
+        e2e = _run("e2e", args.ranks, args.gib, root)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    return {
+        "config": {"gib": args.gib, "ranks": args.ranks, "torch": torch.__version__, "cpus": os.cpu_count()},
+        "save_e2e": e2e,
+        "ratios": {"save_bw_bcp_over_disk": e2e["disk_write_s"] / e2e["bcp_save_s"],
+                   "save_speedup_vs_dcp": e2e["dcp_save_s"] / e2e["bcp_save_s"]},
     }
 
 
