@@ -14,10 +14,10 @@
 # benches passed.
 set -uo pipefail
 
-# what bcp's tests need that the GPU machine's image lacks (deepspeed: built here, pure Python; the
+# what bcp's tests need that the GPU machine's image lacks or has older (deepspeed: built here, pure Python; the
 # rest of its requirements are in the image)
 WHEELS="megatron-core==0.16.1 tenacity==9.2.1 deepspeed==0.19.8 hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5
-        annotated-types==0.8.0 typing-inspection==0.4.5"
+        annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0"
 TOTAL_S=${BCP_GPU_CHECK_S:-480}   # everything, from the install to the summary
 TESTS_S=${BCP_GPU_TESTS_S:-210}   # the tests at most (0: no tests)
 INTEGRATIONS_S=${BCP_GPU_INTEGRATIONS_S:-100}  # the integrations' bench at most (0: none); bench/gpu.py gets the rest
