@@ -62,7 +62,8 @@ else
     [ -x "$py" ] || py=python3
     # the carried wheels as the GPU machine's pip sees them (CPython 3.12, x86-64), nothing installed
     $py -m pip install -q --dry-run --no-index --no-deps --only-binary=:all: --python-version 3.12 \
-        --implementation cp --platform manylinux_2_28_x86_64 --target /tmp/bcp_site_check .whl/*.whl \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --target /tmp/bcp_site_check .whl/*.whl \
         >>"$out/env.txt" 2>&1 || { note "the carried wheels do not install for CPython 3.12 x86-64 (env.txt)"; exit 2; }
     tests=""  # every test of the files, the slow cpu twins too
     bench_args="--device cpu --gib 0.0005,0.001 --hidden 128 --steps 6 --every 2 --step-ms 5"
