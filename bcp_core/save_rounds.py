@@ -194,7 +194,7 @@ class SaveRounds:
         commit.stop()
         progress.phase = "committed"
         if comm.is_coordinator and request.tracker_name and request.tiers is None:
-            _tidy_root(request)
+            tidy_root(request)
         if request.on_commit is not None:
             try:
                 request.on_commit(request.ckpt.root)
@@ -301,18 +301,20 @@ def _remove_stale_files(ckpt: Storage, md, token: str) -> None:
             ckpt.remove(f"data/{name}")
 
 
-def _tidy_root(request: SaveRequest) -> None:
-    """Coordinator, after a commit to a step of a root: leftovers of failed saves go, then, with
-    `keep`, the oldest checkpoints beyond it. Failures are logged: the checkpoint is committed."""
+def tidy_root(request: SaveRequest, what: str = "save", keep_name: str = "keep") -> None:
+    """Coordinator, after a commit to a step of a root: leftovers of failed saves (`what`: "save",
+    or a tiered step's "drain") go, then, with `request.keep` (the user's `keep_name`), the oldest
+    checkpoints beyond it. Failures are logged: the checkpoint is committed."""
     root = request.root
     try:
         for name, error in layout.remove_leftovers(root, request.tracker_name).failed:
-            log.warning("bcp: could not remove %s, left by a failed save under %s: %s", name, root.root, error)
+            log.warning("bcp: could not remove %s, left by a failed %s under %s: %s", name, what, root.root, error)
         if request.keep is not None:
             for name, error in layout.prune(root, request.keep).failed:
-                log.warning("bcp: keep=%d: could not remove %s under %s: %s", request.keep, name, root.root, error)
+                log.warning("bcp: %s=%d: could not remove %s under %s: %s", keep_name, request.keep, name,
+                            root.root, error)
     except Exception as e:  # noqa: BLE001 - see above
-        log.warning("bcp: tidying %s after committing %s failed: %s", root.root, request.tracker_name, e)
+        log.warning("bcp: tidying %s after the %s of %s failed: %s", root.root, what, request.tracker_name, e)
 
 
 # ----------------------------------------------------------------------------- the coordinator's checks

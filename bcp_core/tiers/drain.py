@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 
-from .. import layout, metrics
+from .. import metrics
 from ..comm import comm_for
 from ..errors import CommTimeoutError, SaveError
 from ..layout import write_tracker
@@ -27,7 +27,7 @@ from ..metadata import FAILED_FILE, METADATA_FILE, CheckpointMetadata
 from ..plan_records import Committed, SaveId, WriteReport
 from ..save_job import SaveProgress, SaveRequest, rank_error
 from ..save_queue import SaveHandle, SaveQueue
-from ..save_rounds import PROBE_FILE, SaveRounds, check_probes, mark_failed, write_probe
+from ..save_rounds import PROBE_FILE, SaveRounds, check_probes, mark_failed, tidy_root, write_probe
 from ..storage import Storage
 from ..storage.base import parse_temp_name, run_all
 from .transport import PART_BYTES
@@ -97,7 +97,7 @@ class DrainLane:
         if progress.probe:
             self.probed.add(request.root.root)
         if comm.is_coordinator:
-            _tidy(request)
+            tidy_root(request, "drain", "keep_durable")
         return request.ckpt.root
 
     @staticmethod
@@ -167,16 +167,3 @@ def copy_files(src: Storage, dst: Storage, files: list[str], threads: int) -> No
     run_all([lambda rel=rel: copy(rel) for rel in files], max(1, threads))
     dst.sync_dir("data")
 
-
-def _tidy(request: SaveRequest) -> None:
-    """Coordinator, after a drain committed: what failed drains left, then beyond `keep_durable`."""
-    root = request.root
-    try:
-        for name, error in layout.remove_leftovers(root, request.tracker_name).failed:
-            log.warning("bcp: could not remove %s, left by a failed drain under %s: %s", name, root.root, error)
-        if request.keep is not None:
-            for name, error in layout.prune(root, request.keep).failed:
-                log.warning("bcp: keep_durable=%d: could not remove %s under %s: %s", request.keep, name,
-                            root.root, error)
-    except Exception as e:  # noqa: BLE001 - the step is committed
-        log.warning("bcp: tidying %s after persisting %s failed: %s", root.root, request.tracker_name, e)
