@@ -348,6 +348,7 @@ def test_moe_resumes_at_another_expert_parallel_size(release, fmt, case, uninter
     with bcp and with torch_dist: at the same EP the resumed run logs the uninterrupted run's losses and
     writes its iteration-6 checkpoint bit for bit; at another EP its losses are within 1e-5 (relative) of the
     uninterrupted run's at the source EP."""
+    resumes_torch_dist(release, fmt)
     saved, resumed_ep = EP_CASES[case]
     reference, ref_dir = uninterrupted(release, fmt, *MOE, *ep(saved))
     workdir = str(tmp_path)
@@ -376,6 +377,7 @@ def test_megatron_lm_alone_does_not_resume_at_another_expert_parallel_size(relea
     """What enable_megatron_lm() mends: the same EP=2 -> EP=1 resume of a torch_dist checkpoint in a run that
     did not make the call fails in Megatron-LM's own load (0.16: the RNG state is sharded by DP rank at EP>1
     only; 0.19: the optimizer state of two chained optimizers handed to one, KeyError: 'optimizer')."""
+    resumes_torch_dist(release, "torch_dist")
     _, ref_dir = uninterrupted(release, "torch_dist", *MOE, *ep(2))
     workdir = str(tmp_path)
     resume_from(ref_dir, workdir, SAVE_INTERVAL)

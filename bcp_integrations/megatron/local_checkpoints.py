@@ -47,7 +47,7 @@ from bcp_core.utils import this_rank
 
 from .adapter import build_factories, iter_leaves, load_state, merge_factories, save_state
 from .layouts import saved_tensors, to_saved_layout
-from .strategy import COMMON_STATE_KEY, _async_request, _translated
+from .strategy import COMMON_STATE_KEY, _async_request, _translated, common_state_bytes
 
 _state: dict = {"tiers": None, "enabled": False}
 
@@ -165,9 +165,8 @@ class TieredLocalCheckpoints:
         """Save `iteration` to the tiers; for an async save, the request Megatron's queue finalizes
         (its finalize function waits for the commit with the replicas)."""
         sharded, common = save_preprocess(state.state_dict)
-        buffer = io.BytesIO()
-        torch.save(common, buffer)
-        sharded[COMMON_STATE_KEY] = ShardedObject(COMMON_STATE_KEY, buffer.getvalue(), (1,), (0,),
+        # enum members by value, so that torch.load(weights_only=True) reads it back on any Python
+        sharded[COMMON_STATE_KEY] = ShardedObject(COMMON_STATE_KEY, common_state_bytes(common), (1,), (0,),
                                                   replica_id=this_rank())
         built, _ = build_factories(sharded)
         where = f"{self.tiers.memory} (iteration {iteration})"
