@@ -28,6 +28,7 @@ import bcp_core as bcp
 transformers = pytest.importorskip("transformers")
 
 from dist import RECIPES, run_ranks  # noqa: E402
+from sharded_hf import load_into_wrapped_hf  # noqa: E402
 from test_mapping_deepseek import (DENSE_FFN, EXPERT_FFN, EXPERTS, HEADS, HIDDEN, KV_LORA, LAYERS, NOPE,  # noqa: E402
                                    PADDED, Q_LORA, ROPE, V_HEAD, VOCAB, ds_config, ds_model, megatron_ds_layout,
                                    moments_by_name, mtp_part, trained)
@@ -239,38 +240,8 @@ def _mtp_into_hf_names(root: str, source: str) -> dict:
 def _sharded_hf_target(wrap: str, path: str, ref: dict) -> dict:
     """The checkpoint into DeepseekV3ForCausalLM under DDP (mapping="auto") or FSDP2 on both ranks: compared
     with the same load on one process (`ref`), then one more step on both."""
-    from torch.distributed.tensor import DTensor
-
-    hf = ds_model(ds_config(), seed=5)
-    if wrap == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(hf)
-    else:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh("cpu", (2,))
-        for layer in hf.model.layers:
-            fully_shard(layer, mesh=mesh)
-        model = fully_shard(hf, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    mapping = "auto" if wrap == "ddp" else bcp.mapping.megatron_to_hf(hf.config)
-    bcp.load(path, {"model": model, "optimizer": opt}, mapping=mapping, share_reads=True)
-
-    def full(t):
-        return t.full_tensor() if isinstance(t, DTensor) else t
-
-    params = dict(hf.named_parameters())
-    bad = [n for n, p in params.items() for k in ("exp_avg", "exp_avg_sq")
-           if not torch.equal(full(opt.state[p][k]), ref["moments"][n][k])]
-    with torch.no_grad():
-        out = model(input_ids=tokens(99)).logits
-    steps = sorted({float(s["step"]) for s in opt.state.values()})
-    model(input_ids=tokens(7), labels=tokens(7)).loss.backward()
-    opt.step()
-    after = max(float((full(p.detach()) - ref["after_step"][n]).abs().max()) for n, p in params.items())
-    experts = params["model.layers.1.mlp.experts.gate_up_proj"]
-    return {"logits_diff": float((full(out) - ref["logits"]).abs().max()), "bad": bad, "steps": steps,
-            "states": len(opt.state), "params": len(params), "after_step_diff": after,
-            "sharded": wrap == "ddp" or (isinstance(experts, DTensor) and experts.to_local().shape[0] == 2)}
+    return load_into_wrapped_hf(ds_model(ds_config(), seed=5), wrap, path, ref, tokens,
+                                "model.layers.1.mlp.experts.gate_up_proj")
 
 
 def _steps(opt) -> list[float]:

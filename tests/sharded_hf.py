@@ -1,0 +1,48 @@
+"""A Megatron checkpoint loaded into a Hugging Face MoE model under DDP or FSDP2 on 2 ranks, compared
+with the same load on one process (tests/test_mapping_moe.py, tests/test_megatron_deepseek.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+import bcp_core as bcp
+
+
+def load_into_wrapped_hf(hf: torch.nn.Module, wrap: str, path: str, ref: dict, tokens: Callable[[int], torch.Tensor],
+                         experts: str) -> dict:
+    """Load `path` into `hf` wrapped by DDP (`mapping="auto"`) or FSDP2 (the declared mapping) on every
+    rank, then one more AdamW step: what differs from the one-process load `ref` (its logits, moments by
+    name, parameters after that step), and whether the stacked experts `experts` were sharded."""
+    from torch.distributed.tensor import DTensor
+
+    if wrap == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(hf)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (2,))
+        for layer in hf.model.layers:
+            fully_shard(layer, mesh=mesh)
+        model = fully_shard(hf, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    mapping = "auto" if wrap == "ddp" else bcp.mapping.megatron_to_hf(hf.config)
+    bcp.load(path, {"model": model, "optimizer": opt}, mapping=mapping, share_reads=True)
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    params = dict(hf.named_parameters())
+    bad = [n for n, p in params.items() for k in ("exp_avg", "exp_avg_sq")
+           if not torch.equal(full(opt.state[p][k]), ref["moments"][n][k])]
+    with torch.no_grad():
+        out = model(input_ids=tokens(99)).logits
+    steps = sorted({float(s["step"]) for s in opt.state.values()})
+    model(input_ids=tokens(7), labels=tokens(7)).loss.backward()
+    opt.step()
+    after = max(float((full(p.detach()) - ref["after_step"][n]).abs().max()) for n, p in params.items())
+    stacked = params[experts]
+    return {"logits_diff": float((full(out) - ref["logits"]).abs().max()), "bad": bad, "steps": steps,
+            "states": len(opt.state), "params": len(params), "after_step_diff": after,
+            "sharded": wrap == "ddp" or (isinstance(stacked, DTensor) and stacked.to_local().shape[0] == 2)}
