@@ -28,6 +28,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import time
@@ -433,3 +434,31 @@ def test_recipe_resumes_a_moe_run_at_another_expert_parallel_size(release, tmp_p
     assert rows[SAVE_INTERVAL + 1][0] == rows[SAVE_INTERVAL + 1][2], done.stdout
     assert "ignored the RNG state" in done.stdout
     assert float(re.search(r"largest difference (\S+)", done.stdout)[1]) <= 1e-6, done.stdout
+
+
+TP_CASES = {"ep2_to_tp2ep1": (ep(2), ["--tensor-model-parallel-size", "2", "--sequence-parallel", *ep(1)]),
+            "ep2_to_etp1": (ep(2), ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                    "--expert-tensor-parallel-size", "1", *ep(2)])}
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("case", list(TP_CASES))
+@pytest.mark.parametrize("release", MOE_RELEASES)
+def test_moe_resumes_at_another_tensor_parallel_layout(release, case, uninterrupted, tmp_path):
+    """The iteration-3 bcp checkpoint of the 2-rank MoE run at EP=2, TP=1 resumed by pretrain_gpt.py at TP=2
+    (experts at EP=1 and ETP=2, or at EP=2 and ETP=1; sequence parallel, as Megatron asks of MoE with TP):
+    the resumed run's losses are within 1e-5 (relative) of the uninterrupted run's."""
+    saved, resumed_flags = TP_CASES[case]
+    reference, ref_dir = uninterrupted(release, "bcp", *MOE, *saved)
+    workdir = str(tmp_path)
+    resume_from(ref_dir, workdir, SAVE_INTERVAL)
+    resumed = pretrain(release, workdir, *MOE, *resumed_flags, fmt="bcp", enable_bcp=True)
+    resumed_at(resumed, SAVE_INTERVAL)
+    sized = [f for f in resumed_flags if f != "--sequence-parallel"]
+    for flag, size in zip(sized[::2], sized[1::2]):  # the run is at the layout asked for (Megatron-LM prints its args)
+        name = flag.lstrip("-").replace("-", "_")
+        assert re.search(rf"^\s*{name} \.+ {size}$", resumed.output, re.M), (name, size)
+    diffs = {i: resumed.losses[i] - reference.losses[i] for i in resumed.losses}
+    print(f"[{release} bcp {case}] iteration: resumed - uninterrupted loss {diffs}")
+    for i in range(SAVE_INTERVAL + 1, ITERATIONS + 1):
+        assert abs(diffs[i]) <= MOE_TOLERANCE * abs(reference.losses[i]), (i, diffs)
