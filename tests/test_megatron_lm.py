@@ -436,19 +436,21 @@ def test_recipe_resumes_a_moe_run_at_another_expert_parallel_size(release, tmp_p
     assert float(re.search(r"largest difference (\S+)", done.stdout)[1]) <= 1e-6, done.stdout
 
 
-TP_CASES = {"ep2_to_tp2ep1": (ep(2), ["--tensor-model-parallel-size", "2", "--sequence-parallel", *ep(1)]),
+LAYOUT_CASES = {"ep2_to_tp2ep1": (ep(2), ["--tensor-model-parallel-size", "2", "--sequence-parallel", *ep(1)]),
             "ep2_to_etp1": (ep(2), ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                    "--expert-tensor-parallel-size", "1", *ep(2)])}
+                                    "--expert-tensor-parallel-size", "1", *ep(2)]),
+            "ep2_to_pp2ep1": (ep(2), ["--pipeline-model-parallel-size", "2", *ep(1)])}
 
 
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("case", list(TP_CASES))
+@pytest.mark.parametrize("case", list(LAYOUT_CASES))
 @pytest.mark.parametrize("release", MOE_RELEASES)
-def test_moe_resumes_at_another_tensor_parallel_layout(release, case, uninterrupted, tmp_path):
+def test_moe_resumes_at_another_tensor_or_pipeline_layout(release, case, uninterrupted, tmp_path):
     """The iteration-3 bcp checkpoint of the 2-rank MoE run at EP=2, TP=1 resumed by pretrain_gpt.py at TP=2
-    (experts at EP=1 and ETP=2, or at EP=2 and ETP=1; sequence parallel, as Megatron asks of MoE with TP):
-    the resumed run's losses are within 1e-5 (relative) of the uninterrupted run's."""
-    saved, resumed_flags = TP_CASES[case]
+    (experts at EP=1 and ETP=2, or at EP=2 and ETP=1; sequence parallel, as Megatron asks of MoE with TP)
+    or at PP=2 (EP=1): the run is at that layout, and its losses are within 1e-5 (relative) of the
+    uninterrupted run's."""
+    saved, resumed_flags = LAYOUT_CASES[case]
     reference, ref_dir = uninterrupted(release, "bcp", *MOE, *saved)
     workdir = str(tmp_path)
     resume_from(ref_dir, workdir, SAVE_INTERVAL)
