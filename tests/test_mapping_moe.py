@@ -19,6 +19,7 @@ import bcp_core as bcp
 transformers = pytest.importorskip("transformers")
 
 from dist import RECIPES, run_ranks  # noqa: E402
+from megatron_pass import megatron_pass  # noqa: E402
 from sharded_hf import load_into_wrapped_hf  # noqa: E402
 
 if RECIPES not in sys.path:
@@ -384,35 +385,8 @@ def _distributed(cfg, model):
 
 
 def _run(ddp, batch: torch.Tensor, forward_only: bool):
-    """One pass (Megatron's schedule): the full-vocabulary logits, or the loss of a training pass."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-    out = {}
-    pos = torch.arange(SEQ)[None].expand(batch.shape[0], SEQ)
-
-    def step(_, model):
-        if forward_only:
-            logits = model(batch, pos, None)
-
-            def keep(o):
-                out["logits"] = gather_from_tensor_model_parallel_region(o).detach()
-                return o.sum() * 0, {}
-            return logits, keep
-        loss = model(batch, pos, None, labels=batch)
-
-        def reduce(o):
-            out["loss"] = float(o.float().mean())
-            return o.float().mean(), {}
-        return loss, reduce
-
-    get_forward_backward_func()(forward_step_func=step, data_iterator=iter([None]), model=[ddp], num_microbatches=1,
-                                seq_length=SEQ, micro_batch_size=batch.shape[0], forward_only=forward_only)
-    if not out:  # an earlier pipeline stage
-        return None
-    if forward_only:  # [batch, seq, vocab] as Hugging Face's
-        logits = out["logits"][..., :VOCAB]
-        return (logits.transpose(0, 1) if logits.shape[0] == SEQ else logits).clone()
-    return out["loss"]
+    """One pass of Megatron's schedule: logits [batch, seq, vocab], or the loss; None on an earlier stage."""
+    return megatron_pass(ddp, batch, forward_only, SEQ, VOCAB)
 
 
 def _train(ddp, opt, seeds) -> list[float]:

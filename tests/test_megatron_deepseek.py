@@ -28,6 +28,7 @@ import bcp_core as bcp
 transformers = pytest.importorskip("transformers")
 
 from dist import RECIPES, run_ranks  # noqa: E402
+from megatron_pass import megatron_pass  # noqa: E402
 from sharded_hf import load_into_wrapped_hf  # noqa: E402
 from test_mapping_deepseek import (DENSE_FFN, EXPERT_FFN, EXPERTS, HEADS, HIDDEN, KV_LORA, LAYERS, NOPE,  # noqa: E402
                                    PADDED, Q_LORA, ROPE, V_HEAD, VOCAB, ds_config, ds_model, megatron_ds_layout,
@@ -90,42 +91,16 @@ def _ds_gpt(ep: int, tp: int = 1, mtp: bool = True):
 
 
 def _run(ddp, batch: torch.Tensor, forward_only: bool):
-    """One pass (Megatron's schedule): the main head's full-vocabulary logits [batch, seq, vocab] (the MTP
-    layer left out: GPTModel runs it only with labels), or the loss of a training pass."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    """One pass of Megatron's schedule: the main head's logits [batch, seq, vocab] (the MTP layer left out:
+    GPTModel runs it only with labels), or the loss of a training pass."""
     model = ddp.module
-    out = {}
-    pos = torch.arange(SEQ)[None].expand(batch.shape[0], SEQ)
-
-    def step(_, m):
-        if forward_only:
-            logits = m(batch, pos, None)
-
-            def keep(o):
-                out["logits"] = gather_from_tensor_model_parallel_region(o).detach()
-                return o.sum() * 0, {}
-            return logits, keep
-        loss = m(batch, pos, None, labels=batch)
-
-        def reduce(o):
-            out["loss"] = float(o.float().mean())
-            return o.float().mean(), {}
-        return loss, reduce
-
     mtp = model.mtp_process, model.config.mtp_num_layers
     if forward_only:
         model.mtp_process, model.config.mtp_num_layers = False, None
     try:
-        get_forward_backward_func()(forward_step_func=step, data_iterator=iter([None]), model=[ddp],
-                                    num_microbatches=1, seq_length=SEQ, micro_batch_size=batch.shape[0],
-                                    forward_only=forward_only)
+        return megatron_pass(ddp, batch, forward_only, SEQ, VOCAB)
     finally:
         model.mtp_process, model.config.mtp_num_layers = mtp
-    if forward_only:
-        logits = out["logits"][..., :VOCAB]
-        return (logits.transpose(0, 1) if logits.shape[0] == SEQ else logits).clone()
-    return out["loss"]
 
 
 def _train(ddp, opt, seeds) -> list[float]:

@@ -27,6 +27,7 @@ import megatron_releases
 transformers = pytest.importorskip("transformers")
 
 from dist import RECIPES, run_ranks  # noqa: E402
+from megatron_pass import megatron_pass  # noqa: E402
 from test_mapping_deepseek import (DENSE_FFN, EXPERT_FFN, EXPERTS, HEADS, HIDDEN, KV_LORA, NOPE, PADDED,  # noqa: E402
                                    Q_LORA, ROPE, V_HEAD, VOCAB, ds_config, ds_model, hybrid_llama_layout,
                                    megatron_ds_layout, moments_by_name, trained)
@@ -102,36 +103,8 @@ def _hybrid(kind: str, tp: int = 1, pp: int = 1, ep: int = 1):
 
 
 def _run(ddp, batch: torch.Tensor, forward_only: bool):
-    """One pass of Megatron's schedule: the full-vocabulary logits [batch, seq, vocab], or the loss; None on
-    an earlier pipeline stage."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-    out = {}
-    pos = torch.arange(SEQ)[None].expand(batch.shape[0], SEQ)
-
-    def step(_, model):
-        if forward_only:
-            logits = model(batch, pos, None)
-
-            def keep(o):
-                out["logits"] = gather_from_tensor_model_parallel_region(o).detach()
-                return o.sum() * 0, {}
-            return logits, keep
-        loss = model(batch, pos, None, labels=batch)
-
-        def reduce(o):
-            out["loss"] = float(o.float().mean())
-            return o.float().mean(), {}
-        return loss, reduce
-
-    get_forward_backward_func()(forward_step_func=step, data_iterator=iter([None]), model=[ddp], num_microbatches=1,
-                                seq_length=SEQ, micro_batch_size=batch.shape[0], forward_only=forward_only)
-    if not out:
-        return None
-    if forward_only:
-        logits = out["logits"][..., :VOCAB]
-        return (logits.transpose(0, 1) if logits.shape[0] == SEQ else logits).clone()
-    return out["loss"]
+    """One pass of Megatron's schedule: logits [batch, seq, vocab], or the loss; None on an earlier stage."""
+    return megatron_pass(ddp, batch, forward_only, SEQ, VOCAB)
 
 
 def _train(ddp, opt, seeds) -> list:
