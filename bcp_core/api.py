@@ -130,7 +130,7 @@ def load(path: str | os.PathLike, state: dict, framework: str = "auto", strict: 
     holding DTensors laid out over the whole group; otherwise off, so that a subset of the ranks
     may load plain tensors on its own. A collective load reads the metadata once per node and fails
     on every rank, naming the rank, if any rank fails. `num_threads`: threads reading, verifying and
-    copying (default: this rank's share of the host's cores, 4 to 16). Every wait (exchanges,
+    copying (default: this rank's share of the host's cores, 4 to 8). Every wait (exchanges,
     transfers) is bounded by `timeout`.
 
     `path` may be a `bcp.Tiers`: the newest step whose every piece survives in the nodes' memory,

@@ -48,9 +48,11 @@ def cores_per_rank() -> int:
 def load_threads() -> int:
     """Threads a load reads, verifies and copies with by default: this rank's share of the host's
     cores, at least 4 (a load waits for itself: I/O and copies overlap on as many threads as cores
-    allow) and at most 16. A load's host work (hashing, copying out of the page cache, into pinned
-    chunks for CUDA tensors) is bound by one core's memory bandwidth per thread."""
-    return max(4, min(16, cores_per_rank()))
+    allow) and at most 8. A load's host work (hashing, copying out of the page cache, into pinned
+    chunks for CUDA tensors) is bound by memory bandwidth, which 8 threads fill: on a 16-core H100
+    host a warm 4 GiB load into CUDA tensors ran at 10.6 GiB/s with 8 threads, 8.0 with 16 and 6.8
+    with 4 (docs/gpu.md, 2026-11-28)."""
+    return max(4, min(8, cores_per_rank()))
 
 
 def this_rank(group=None) -> int:

@@ -477,10 +477,10 @@ def run_system(system, tr: Trainer, steps: int, every: int) -> dict:
         out[f"load_{kind}_s"] = timed(lambda: system.load(path), tr.device)
         out[f"load_{kind}_gib_s"] = gib / out[f"load_{kind}_s"]
         exact &= fingerprint(tr) == want
-    if isinstance(system, Bcp):  # the warm load's threads: bcp's default (its share of the cores) and 4
+    if isinstance(system, Bcp):  # the warm load's threads: bcp's default (its share of the cores), 4, 8 and 16
         from bcp_core.utils import load_threads
         out["load_threads"] = load_threads()
-        for n in sorted({4, 8, load_threads()} - {load_threads()}):
+        for n in sorted({4, 8, 16} - {load_threads()}):
             scramble(tr)
             out[f"load_warm_{n}_threads_gib_s"] = gib / timed(lambda n=n: system.load(path, n), tr.device)
             exact &= fingerprint(tr) == want

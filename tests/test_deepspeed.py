@@ -217,7 +217,7 @@ def _holds(path, reference_file) -> None:
     `reference_file`: loaded into a plain model and torch's AdamW in this process."""
     from dist import bcp_verify
     bcp_verify(str(path))
-    ref = torch.load(reference_file)
+    ref = torch.load(reference_file, map_location="cpu")  # a GPU run's reference too
     job = _job_module()
     model = job.build_model(seed=9)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

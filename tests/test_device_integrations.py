@@ -5,8 +5,9 @@ the uninterrupted run's losses; one CPU process (no GPU, no FSDP) loads the mode
 the optimizer's state, bit for bit.
 
 Marked `cuda` (bench/gpu_check.sh runs them on a lent GPU, docs/gpu.md); the `cpu` twins run the
-same jobs and checks where none of the three can run FSDP (HF and Accelerate fall back to DDP,
-Lightning refuses FSDP on CPU): the integrations' code paths without FSDP and the test itself, in
+same jobs and checks where none of the three can run FSDP (HF and Accelerate fall back to DDP;
+Lightning refuses FSDPStrategy on CPU and runs DDPStrategy, a distributed strategy too, whose
+DistributedSampler a map-style loader would get): the integrations' code paths without FSDP and the test itself, in
 the slow tier and in the GPU check's CPU rehearsal.
 """
 

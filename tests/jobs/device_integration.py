@@ -208,8 +208,14 @@ def run_lightning(args, out: Out) -> None:
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
     class Batches(torch.utils.data.IterableDataset):
+        """The batches of steps `first`.. (an iterable: Lightning puts no DistributedSampler on it,
+        which would shuffle a map-style list under FSDPStrategy / DDPStrategy)."""
+
+        def __init__(self, first: int = 1):
+            self.first = first
+
         def __iter__(self):
-            return iter(batch(s, "cpu") for s in range(1, STEPS + 1))
+            return iter(batch(s, "cpu") for s in range(self.first, STEPS + 1))
 
     class Dump(Callback):
         def __init__(self):
@@ -226,15 +232,15 @@ def run_lightning(args, out: Out) -> None:
 
     cuda = args.device == "cuda"
     dirpath = os.path.join(args.root, "ckpts")
-    trainer = L.Trainer(accelerator="cuda" if cuda else "cpu", devices=1, strategy=FSDPStrategy() if cuda else "auto",
+    # on CPU DDP (one process), where FSDPStrategy refuses: still a distributed strategy, as on the GPU
+    trainer = L.Trainer(accelerator="cuda" if cuda else "cpu", devices=1, strategy=FSDPStrategy() if cuda else "ddp",
                         plugins=[BCPCheckpointIO()], max_steps=STEPS, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, deterministic="warn",
                         callbacks=[Dump(), ModelCheckpoint(dirpath=dirpath, filename="{step}",
                                                            every_n_train_steps=SAVE_AT, save_top_k=-1)])
     ckpt = os.path.join(dirpath, f"step={SAVE_AT}.ckpt")
-    batches = torch.utils.data.DataLoader(Batches(), batch_size=None)
-    if out.resume:  # the batches after the checkpoint's (an iterable has no sampler state to restore)
-        batches = torch.utils.data.DataLoader(list(Batches())[SAVE_AT:], batch_size=None)
+    # on resume the batches after the checkpoint's (an iterable has no sampler state to restore)
+    batches = torch.utils.data.DataLoader(Batches(SAVE_AT + 1 if out.resume else 1), batch_size=None)
     trainer.fit(Module(), batches, ckpt_path=ckpt if out.resume else None)
     out.checkpoint(ckpt)
 

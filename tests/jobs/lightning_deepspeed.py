@@ -3,7 +3,10 @@
     torchrun --nproc_per_node 1 tests/jobs/lightning_deepspeed.py --root DIR [--steps N] [--resume CKPT]
 
 A LightningModule holding a tiny LlamaForCausalLM (built from a config) trains deterministically
-(`Trainer(deterministic=True)`) with `DeepSpeedStrategy(stage=3)` and `plugins=[BCPCheckpointIO()]`;
+(`Trainer(deterministic=True)`) with `DeepSpeedStrategy(stage=3)` and `plugins=[BCPCheckpointIO()]`
+on bcp's PackedTokenLoader (its position is in the checkpoint: a resume from step 2 trains on the
+batches the uninterrupted run trained on after step 2, which a map-style loader under Lightning's
+DistributedSampler would not give);
 `ModelCheckpoint(every_n_train_steps=2, save_top_k=-1)` writes DIR/step=<n>.ckpt (bcp checkpoints).
 --resume continues from a checkpoint with `fit(ckpt_path=...)`. At the end DIR/final.pt holds
 DeepSpeed's full fp32 values and Adam moments (`safe_get_full_fp32_param` /
@@ -24,6 +27,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import DeepSpeedStrategy  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from bcp_core.dataloader import PackedTokenLoader  # noqa: E402
 from bcp_integrations.lightning import BCPCheckpointIO  # noqa: E402
 
 MODEL = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -35,15 +39,8 @@ def build_model(seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(LlamaConfig(**MODEL, attn_implementation="eager"))
 
 
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self):
-        self.ids = torch.randint(0, MODEL["vocab_size"], (32, 8), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return self.ids[i]
+# documents of distinct token ids (padding is -1): more batches than a run takes, so it stays in one epoch
+DOCS = {"web": [list(range(10 * i, 10 * i + 3 + i % 5)) for i in range(64)]}
 
 
 class LM(L.LightningModule):
@@ -51,8 +48,14 @@ class LM(L.LightningModule):
         super().__init__()
         self.llama = build_model()
 
-    def training_step(self, ids, _):
-        return self.llama(input_ids=ids, labels=ids).loss
+    def training_step(self, batch, _):
+        ids = batch.clamp(min=0) % MODEL["vocab_size"]
+        return self.llama(input_ids=ids, labels=torch.where(batch < 0, -100, ids)).loss
+
+    def train_dataloader(self):
+        dp = self.trainer.strategy.distributed_sampler_kwargs or {}  # this rank's DP rank and degree
+        return PackedTokenLoader(DOCS, seq_len=8, batch_size=4, dp_rank=dp.get("rank", 0),
+                                 dp_size=dp.get("num_replicas", 1), seed=0)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
@@ -65,15 +68,14 @@ def main() -> None:
     p.add_argument("--resume", default=None)
     args = p.parse_args()
     strategy = DeepSpeedStrategy(config={
-        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+        "train_micro_batch_size_per_gpu": 4,  # not gradient_accumulation_steps: the Trainer sets it
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
     trainer = L.Trainer(accelerator="gpu", devices=1, strategy=strategy, plugins=[BCPCheckpointIO()],
                         max_steps=args.steps, deterministic=True, logger=False, enable_progress_bar=False,
                         callbacks=[ModelCheckpoint(dirpath=args.root, every_n_train_steps=2, save_top_k=-1,
                                                    filename="{step}")])
     lm = LM()
-    loader = torch.utils.data.DataLoader(Tokens(), batch_size=4, shuffle=False)
-    trainer.fit(lm, loader, ckpt_path=args.resume)
+    trainer.fit(lm, ckpt_path=args.resume)
 
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     values, moments = {}, {}
