@@ -167,9 +167,28 @@ def run_recipe(name: str, nproc: int, *args: str, timeout: float = 240, torchrun
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), script]
     full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     full_env.update(env or {})
-    proc = subprocess.run([*cmd, "--phase", "run", *args], env=full_env, capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, f"{name} {' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    proc = subprocess.Popen([*cmd, "--phase", "run", *args], env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)  # torchrun and its workers: none is left behind to hang on
+        out, err = proc.communicate()
+        raise TimeoutError(f"{name} {' '.join(args)} did not end within {timeout}s:\n{out[-4000:]}\n"
+                           f"{err[-8000:]}") from None
+    assert proc.returncode == 0, f"{name} {' '.join(args)} failed:\n{out[-4000:]}\n{err[-8000:]}"
+
+
+def kill_tree(proc) -> None:
+    """SIGKILL a launched torchrun (`subprocess.Popen`) and every process under it (its workers run
+    in sessions of their own), and reap it."""
+    import signal
+    for pid in [proc.pid, *_descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
 
 
 def losses_by_rank(d, rank: int = 0) -> dict[int, float]:
@@ -263,14 +282,8 @@ class Job:
         return self._out.read()
 
     def kill(self) -> None:
-        """SIGKILL torchrun and every process under it (its workers run in sessions of their own)."""
-        import signal
-        for pid in [self.proc.pid, *_descendants(self.proc.pid)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait()
+        """SIGKILL torchrun and every process under it."""
+        kill_tree(self.proc)
 
 
 def _descendants(pid: int) -> list[int]:

@@ -82,14 +82,14 @@ def _save(rank, world, base, steps, part_bytes=None, fail_receive_at=None, names
     if part_bytes:  # files and ranges travel in several parts
         transport.PART_BYTES = part_bytes
     if fail_receive_at and fail_receive_at[0] == rank:  # its memory fills up with another rank's replicas
-        from bcp_core.storage.memory import MemoryStorage
-        real = MemoryStorage.create_mapped
+        import errno
 
-        def create_mapped(self, relpath, size):
-            if self.root.endswith(f"step_{fail_receive_at[1]:08d}") and f"-r{rank}_" not in relpath:
-                raise bcp.StorageError("no space left on device (injected)")
-            return real(self, relpath, size)
-        MemoryStorage.create_mapped = create_mapped
+        from bcp_core.storage.faults import Fault, inject
+
+        def full(call):  # in the middle of a replica: its own files still fit
+            if f"-r{rank}_" not in call.path:
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        inject(Fault("write", hook=full, path=f"*/step_{fail_receive_at[1]:08d}/data/*"))
     state = initial(init_device_mesh("cpu", (world,)))
     tiers, errors = _tiers(base), {}
     for step in steps:
@@ -271,7 +271,7 @@ def test_a_replica_is_checked_against_the_writes_checksums(tmp_path):
     from bcp_core.engine import write_items
     from bcp_core.plan_records import RankValueKey, WriteItem
     from bcp_core.storage import LocalStorage
-    from bcp_core.tiers.replication import _check_copy
+    from bcp_core.tiers.replication import CopyCheck
     st = LocalStorage(str(tmp_path))
     items = [WriteItem(f"t{i}", torch.arange(1000 * (i + 1), dtype=torch.float32), RankValueKey(f"t{i}"))
              for i in range(3)]
@@ -281,9 +281,22 @@ def test_a_replica_is_checked_against_the_writes_checksums(tmp_path):
     header = 8 + int.from_bytes(data[:8], "little")
     entry = [rel, len(data), header, xxhash.xxh3_64_hexdigest(bytes(data[:header])),
              [[w.byte_offset, w.nbytes, list(w.checksums)] for w in written]]
-    assert _check_copy(memoryview(bytes(data)), entry, 1024) is None
+
+    def check(copy: bytes, part: int = 700) -> str | None:  # fed as it arrives: parts across blocks
+        c = CopyCheck(entry, 1024)
+        for at in range(0, len(copy), part):
+            c.feed(memoryview(copy)[at:at + part], at)
+        return c.wrong()
+
+    assert check(bytes(data)) is None and check(bytes(data), len(data)) is None
     last = max(written, key=lambda w: w.byte_offset)
-    for at, words in [(5, "another header"), (last.byte_offset + 2000, "fails the checksum of bytes [")]:
+    cases = [(5, "another header"), (last.byte_offset + 2000, "fails the checksum of bytes [")]
+    for at, words in cases:
         bad = bytearray(data)
         bad[at] ^= 1
-        assert words in _check_copy(memoryview(bytes(bad)), entry, 1024)
+        assert words in check(bytes(bad)), (at, words, check(bytes(bad)))
+    assert "ended at byte" in check(bytes(data[:-10]))
+    assert "ended at byte" in check(bytes(data) + b"\0")  # longer than the original
+    entry[1] += 16  # a file padded after its last piece: the padding must be zeros
+    assert check(bytes(data) + bytes(16)) is None
+    assert "has bytes in [" in check(bytes(data) + bytes(15) + b"\1")

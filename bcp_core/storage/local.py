@@ -390,62 +390,6 @@ def local_path(url: str) -> str:
     return "/" + path
 
 
-class MappedFile:
-    """A new file of a known size written through a shared writable map of it (`view`): bytes that
-    arrive from elsewhere are received straight into place, with no copy. It appears under its name
-    whole, at `commit`, or never (`abort`); a temporary name until then, as every file bcp writes."""
-
-    def __init__(self, dir_fd: int, name: str, size: int, fsync: bool, mode: int):
-        self.dir_fd, self.name, self.fsync = dir_fd, name, fsync
-        self.tmp = temp_name(name)
-        self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode, dir_fd=dir_fd)
-        try:
-            os.ftruncate(self.fd, size)
-            self.map = mmap.mmap(self.fd, size) if size else None
-        except BaseException:  # the directory's descriptor stays the caller's (create_mapped closes it)
-            with contextlib.suppress(OSError):
-                os.unlink(self.tmp, dir_fd=dir_fd)
-            os.close(self.fd)
-            raise
-        self.view = memoryview(self.map) if size else memoryview(bytearray(0))
-
-    def commit(self) -> None:
-        try:
-            if self.map is not None:
-                if self.fsync:
-                    self.map.flush()
-                self.view.release()
-                self.map.close()
-            if self.fsync:
-                os.fsync(self.fd)
-            os.replace(self.tmp, self.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
-            if self.fsync:
-                _fsync_dir(self.dir_fd, self.name)
-        except BaseException:
-            self._drop()
-            raise
-        os.close(self.fd)
-        os.close(self.dir_fd)
-
-    def abort(self, release: bool = True) -> None:
-        """Give the file up. `release=False`: the map stays (someone may still write into it: a
-        transfer that did not end); only the name goes."""
-        if release and self.map is not None:
-            try:
-                self.view.release()
-                self.map.close()
-            except BufferError:  # a view of it is still held: left to whoever holds it
-                pass
-        self._drop()
-
-    def _drop(self) -> None:
-        with contextlib.suppress(OSError):
-            os.unlink(self.tmp, dir_fd=self.dir_fd)
-        for fd in (self.fd, self.dir_fd):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-
 @register_storage
 class LocalStorage(Storage):
     """A POSIX directory (local disk, NFS, Lustre...)."""
@@ -491,16 +435,6 @@ class LocalStorage(Storage):
     def open_writer(self, relpath: str) -> FileWriter:
         dir_fd, name = self._parent(relpath)
         return _LocalWriter(dir_fd, name, self.join(relpath), self.fsync, self.FILE_MODE)
-
-    def create_mapped(self, relpath: str, size: int) -> MappedFile:
-        """A new file of `size` bytes to be filled through a writable map (`MappedFile`)."""
-        dir_fd, name = self._parent(relpath)
-        try:
-            return MappedFile(dir_fd, name, size, self.fsync, self.FILE_MODE)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.close(dir_fd)
-            raise
 
     def read_into(self, relpath: str, offset: int, out: memoryview) -> None:
         out = memoryview(out).cast("B")

@@ -24,9 +24,7 @@ load's timeout.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import mmap
 import os
 import secrets
 import threading
@@ -34,7 +32,6 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 
-import torch
 import xxhash
 
 from .. import codec
@@ -508,26 +505,31 @@ def _transfer(comm: Comm, step: Storage, view: Storage, choice: Choice, fetches:
 
     sender = threading.Thread(target=send_all, name="bcp-recover-send")
     sender.start()
-    targets: dict[int, tuple] = {}  # file -> (its map, a tensor over it): bytes land in the view's file
+    fds: dict[int, int] = {}  # file -> a descriptor of the view's file, where its bytes land
+
+    def sink(fd: int, lo: int, name: str):
+        def land(part: memoryview, at: int) -> None:
+            if errors:
+                return  # the rest is still received (no peer is left waiting), and dropped
+            try:
+                done = 0
+                while done < len(part):
+                    done += os.pwrite(fd, part[done:], lo + at + done)
+            except OSError as e:
+                errors.append(OSError(e.errno, f"writing {name} bytes [{lo + at}, {lo + at + len(part)}) of the "
+                                               f"recovery view: {e.strerror}"))
+        return land
+
     try:
         for src, f, lo, hi in fetches.receives:
-            if f not in targets:
-                fd = os.open(view._path(choice.files[f]), os.O_RDWR | os.O_NOFOLLOW)
-                try:
-                    mapped = mmap.mmap(fd, choice.sizes[f])
-                finally:
-                    os.close(fd)
-                targets[f] = (mapped, torch.frombuffer(mapped, dtype=torch.uint8))
-            Peer(group, comm.rank, src, tag, deadline, op).recv_parts(targets[f][1][lo:hi], hi - lo,
-                                                                      choice.files[f])
+            if f not in fds:
+                fds[f] = os.open(view._path(choice.files[f]), os.O_WRONLY | os.O_NOFOLLOW)
+            Peer(group, comm.rank, src, tag, deadline, op).recv_parts(None, hi - lo, choice.files[f],
+                                                                      sink=sink(fds[f], lo, choice.files[f]))
     except Exception as e:  # noqa: BLE001 - reported at the agreement
         errors.append(e)
     finally:
         sender.join(max(deadline - time.monotonic(), 0) + 5)
-        maps = [mapped for mapped, _ in targets.values()]
-        targets.clear()  # the tensors over the maps go first
-        if not errors:  # (after a failed transfer gloo may still write into a map: it stays)
-            for mapped in maps:
-                with contextlib.suppress(BufferError):
-                    mapped.close()
+        for fd in fds.values():
+            os.close(fd)
     return errors[0] if errors else None

@@ -4,11 +4,13 @@ After writing its pieces into its node's memory, every rank sends its data files
 each of its replica nodes (placement.py), which writes them into that node's memory under the same
 names: a replica is byte for byte the file, so any node's copy serves any load. Sending and
 receiving overlap (a thread each); a file goes in parts of `transport.PART_BYTES` (a few in
-flight), read from the memory file's map and received straight into the new file's map (no copy on
-either side), at most `bandwidth` bytes per second. Each file travels with its pieces' checksums
-(those the write computed, which the metadata records) and its header's digest, which the receiver
-checks before the copy takes the file's name (a temporary name until then): a copy that exists is
-whole and right, and the sender hashes nothing again.
+flight), sent from the memory file's map (no copy), at most `bandwidth` bytes per second. Each file
+travels with its pieces' checksums (those the write computed, which the metadata records) and its
+header's digest. The receiver takes each part into a reused buffer, checks it there while it is in
+the CPU's cache (`CopyCheck`) and writes it into a new file (on tmpfs, writing a new file's pages
+costs about half of faulting them in through a map); the copy takes the file's name (a temporary
+name until then) only once every check passed: a copy that exists is whole and right, and the
+sender hashes nothing again.
 
 Every rank takes part even when its own write failed (it sends its error instead of files, so no
 peer waits), and a failure on either side is reported with the rank's write report: the commit
@@ -23,12 +25,10 @@ import time
 from datetime import timedelta
 
 import numpy as np
-import torch
 import xxhash
 
 from .. import metrics
 from ..comm import Comm
-from ..engine.framing import checksum
 from ..errors import StorageError
 from ..metadata import CHECKSUM_BLOCK_BYTES, MAX_BYTES, num_blocks, parse_json
 from ..storage import Storage
@@ -104,10 +104,10 @@ def _send_files(peer: Peer, ckpt: Storage, files: dict[str, list] | None, error:
 
 
 def _receive_files(peer: Peer, ckpt: Storage) -> int:
-    """The sender's manifest and files, each received straight into a new file's map under a
-    temporary name, renamed into place once it checks against the manifest (`_check_copy`). A file
-    that cannot be made is still received (so that the sender is not left waiting) and the first
-    such error raised at the end."""
+    """The sender's manifest and files, each received into reused buffers, checked against the
+    manifest there (`CopyCheck`) and written into a new file under a temporary name, which gets the
+    file's name once every check passed. A file that cannot be made or written is still received
+    (so that the sender is not left waiting) and the first such error raised at the end."""
     manifest = parse_json(peer.recv_blob("the replica manifest", limit=64 << 20), f"rank {peer.peer}'s manifest")
     if not (type(manifest) is dict and type(manifest.get("block")) is int and manifest["block"] > 0
             and type(manifest.get("files")) is list):
@@ -117,30 +117,40 @@ def _receive_files(peer: Peer, ckpt: Storage) -> int:
     received, failure = 0, None
     for entry in manifest["files"]:
         rel, size = _check_entry(entry, peer.peer)
-        target = None
+        check = CopyCheck(entry, manifest["block"])
+        writer = None
         if failure is None:
             try:
-                target = ckpt.create_mapped(rel, size)
+                writer = ckpt.open_writer(rel)
             except Exception as e:  # noqa: BLE001 - raised once every file was received
                 failure = e
-        out = torch.frombuffer(target.view, dtype=torch.uint8) if target is not None and size else None
+
+        def sink(part: memoryview, at: int) -> None:
+            nonlocal writer, failure
+            check.feed(part, at)
+            if writer is not None:
+                try:
+                    writer.write(part)
+                except Exception as e:  # noqa: BLE001 - the rest is still received, then raised
+                    writer.abort()
+                    writer, failure = None, failure or e
+
         try:
-            received += peer.recv_parts(out, size, rel)
+            received += peer.recv_parts(None, size, rel, sink=sink)
         except BaseException:
-            if target is not None:
-                target.abort(release=False)  # gloo may still write into the map: it stays
+            if writer is not None:
+                writer.abort()
             raise
-        if target is None:
+        if writer is None:
             continue
-        del out
-        wrong = _check_copy(target.view, entry, manifest["block"])
+        wrong = check.wrong()
         if wrong:
-            target.abort()
+            writer.abort()
             failure = failure or StorageError(f"the copy of {rel} from rank {peer.peer} {wrong}: it was damaged on "
                                               "the way")
             continue
         try:
-            target.commit()
+            writer.close()
         except Exception as e:  # noqa: BLE001 - see above
             failure = failure or e
     if failure is not None:
@@ -163,25 +173,57 @@ def _check_entry(entry, sender: int) -> tuple[str, int]:
     return entry[0], entry[1]
 
 
-def _check_copy(view: memoryview, entry: list, block: int) -> str | None:
-    """Why a received copy is not the file the manifest describes, or None: its header's digest, each
-    piece's block checksums (those of the write), and zeros in between (the padding)."""
-    _, size, header, digest, pieces = entry
-    if xxhash.xxh3_64_hexdigest(view[:header]) != digest:
-        return "has another header than the original"
-    pos = header
-    for off, n, sums in sorted(pieces):
-        if off < pos or np.frombuffer(view[pos:off], dtype=np.uint8).any():
-            return f"has bytes [{pos}, {off}) the original has not"
-        if len(sums) != num_blocks(n, block):
-            return f"was described with {len(sums)} checksums for {n} bytes"
-        for b, expected in enumerate(sums):
-            if checksum(view[off + b * block:off + min(n, (b + 1) * block)]) != expected:
-                return f"fails the checksum of bytes [{off + b * block}, {off + min(n, (b + 1) * block)})"
-        pos = off + n
-    if np.frombuffer(view[pos:size], dtype=np.uint8).any():
-        return f"has bytes [{pos}, {size}) the original has not"
-    return None
+class CopyCheck:
+    """Why a copy is not the file its manifest entry describes, checked on its bytes as they arrive
+    in order (`feed`), or None (`wrong`): its header's digest, each piece's block checksums (those of
+    the write), and zeros in between (the padding)."""
+
+    def __init__(self, entry: list, block: int):
+        _, self.size, header, self.digest, pieces = entry
+        self.problem: str | None = None
+        # the file's runs in order: (start, end, what they must be: "header", "zeros", or a checksum)
+        self.runs: list[tuple[int, int, object]] = [(0, header, "header")]
+        pos = header
+        for off, n, sums in sorted(pieces):
+            if off < pos:
+                self.problem = f"overlaps bytes [{off}, {pos}) of two pieces"
+                break
+            if len(sums) != num_blocks(n, block):
+                self.problem = f"was described with {len(sums)} checksums for {n} bytes"
+                break
+            if off > pos:
+                self.runs.append((pos, off, "zeros"))
+            self.runs.extend((off + b * block, off + min(n, (b + 1) * block), s) for b, s in enumerate(sums))
+            pos = off + n
+        if pos < self.size:
+            self.runs.append((pos, self.size, "zeros"))
+        self.run, self.hash, self.pos = 0, xxhash.xxh3_64(), 0
+
+    def feed(self, data: memoryview, at: int) -> None:
+        """The copy's bytes [at, at + len(data)), right after those fed before."""
+        if at != self.pos:
+            self.problem = self.problem or f"arrived out of order at byte {at}"
+        self.pos = at + len(data)
+        while len(data) and self.problem is None and self.run < len(self.runs):
+            lo, hi, want = self.runs[self.run]
+            take = min(len(data), hi - at)
+            if want == "zeros":
+                if np.frombuffer(data[:take], dtype=np.uint8).any():
+                    self.problem = f"has bytes in [{lo}, {hi}) the original has not"
+            else:
+                self.hash.update(data[:take])
+            at, data = at + take, data[take:]
+            if at == hi:
+                if want == "header" and self.hash.hexdigest() != self.digest:
+                    self.problem = "has another header than the original"
+                elif want not in ("header", "zeros") and self.hash.intdigest() != want:
+                    self.problem = f"fails the checksum of bytes [{lo}, {hi})"
+                self.run, self.hash = self.run + 1, xxhash.xxh3_64()
+
+    def wrong(self) -> str | None:
+        if self.problem is None and self.pos != self.size:
+            return f"ended at byte {self.pos} of {self.size}"
+        return self.problem
 
 
 def _check_name(rel: str) -> None:

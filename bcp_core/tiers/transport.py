@@ -53,6 +53,7 @@ def _forget_in_child() -> None:
     _LOCK = threading.Lock()
     _INHERITED.append(_GROUPS)
     _GROUPS = {}
+    _SCRATCH.clear()
 
 
 _INHERITED: list = []
@@ -143,28 +144,50 @@ class Peer:
             self._done_sending(inflight.popleft(), what)
         return len(data)
 
-    def recv_parts(self, out: torch.Tensor | None, size: int, what: str) -> int:
+    def recv_parts(self, out: torch.Tensor | None, size: int, what: str, sink=None) -> int:
         """`size` bytes sent by `send_parts`, received straight into `out` (a uint8 tensor of `size`,
-        e.g. over a writable map of the file they belong to), or into scratch buffers and dropped
-        (`out` None: the receiver cannot keep them but must not leave the sender waiting)."""
-        scratch = [torch.empty(min(PART_BYTES, size), dtype=torch.uint8) for _ in range(WINDOW)] \
-            if out is None and size else []
+        e.g. over a writable map of the file they belong to), or into scratch buffers (`out` None),
+        each part handed to `sink(part, offset)` in order once it arrived, or dropped (no `sink`: the
+        receiver cannot keep them but must not leave the sender waiting)."""
+        scratch = _scratch(min(PART_BYTES, size)) if out is None and size else []
         inflight: deque = deque()
         for i, lo in enumerate(range(0, size, PART_BYTES)):
             hi = min(lo + PART_BYTES, size)
             buf = out[lo:hi] if out is not None else scratch[i % WINDOW][:hi - lo]
             inflight.append((self.post_recv(buf), buf, lo))
             if len(inflight) >= WINDOW:
-                work, buf, at = inflight.popleft()
-                self.wait_received(work, buf, f"{what} bytes {at}..")
+                self._arrived(inflight.popleft(), what, sink)
         while inflight:
-            work, buf, at = inflight.popleft()
-            self.wait_received(work, buf, f"{what} bytes {at}..")
+            self._arrived(inflight.popleft(), what, sink)
+        with _LOCK:
+            _SCRATCH.extend(scratch)  # not on an error: gloo may still fill them
         return size
+
+    def _arrived(self, entry, what: str, sink) -> None:
+        work, buf, at = entry
+        self.wait_received(work, buf, f"{what} bytes {at}..")
+        if sink is not None:
+            sink(memoryview(buf.numpy()), at)
 
     def _done_sending(self, entry, what: str) -> None:
         work, part, lo = entry
         self.wait_sent(work, part, f"{what} bytes [{lo}, {lo + part.numel()})")
+
+
+# Receive buffers of `PART_BYTES`, reused from file to file and save to save: fresh memory costs a
+# page fault per page, about as much as receiving the bytes.
+_SCRATCH: list[torch.Tensor] = []
+
+
+def _scratch(nbytes: int) -> list[torch.Tensor]:
+    """`WINDOW` receive buffers of at least `nbytes` (taken from the reused ones where they fit)."""
+    taken = []
+    with _LOCK:
+        while _SCRATCH and len(taken) < WINDOW:
+            buf = _SCRATCH.pop()
+            if buf.numel() >= nbytes:
+                taken.append(buf)  # (one too small is dropped: PART_BYTES changed)
+    return taken + [torch.empty(max(nbytes, PART_BYTES), dtype=torch.uint8) for _ in range(WINDOW - len(taken))]
 
 
 class PeerFailed(Exception):
