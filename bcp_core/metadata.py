@@ -427,11 +427,11 @@ def _byte_range(p: dict, ctx: _Context, where: str) -> tuple[int, int, int, tupl
         raise _fail(source, f"{where} names file index {brief(file)} but there are {ctx.n_files} files")
     byte_offset = _int(p.get("byte_offset"), source, f"{where} byte_offset")
     nbytes = _int(p.get("nbytes"), source, f"{where} nbytes")
-    crc = _ints(p.get("checksums"), source, f"{where} checksums", max_len=1 << 40, hi=_CHECKSUM_MAX)
-    if len(crc) != num_blocks(nbytes, ctx.block):
-        raise _fail(source, f"{where} has {len(crc)} checksums for {nbytes} bytes in blocks of {ctx.block}")
+    sums = _ints(p.get("checksums"), source, f"{where} checksums", max_len=1 << 40, hi=_CHECKSUM_MAX)
+    if len(sums) != num_blocks(nbytes, ctx.block):
+        raise _fail(source, f"{where} has {len(sums)} checksums for {nbytes} bytes in blocks of {ctx.block}")
     rank = _int(p.get("rank"), source, f"{where} rank", hi=ctx.world_size - 1)
-    return file, byte_offset, nbytes, crc, rank
+    return file, byte_offset, nbytes, sums, rank
 
 
 def _parse_tensor(fqn: str, raw: Any, ctx: _Context) -> TensorMeta:
@@ -451,10 +451,10 @@ def _parse_tensor(fqn: str, raw: Any, ctx: _Context) -> TensorMeta:
         if not len(offsets) == len(lengths) == len(shape):
             raise _fail(source, f"{pw} has offsets {list(offsets)} / lengths {list(lengths)} that do not match "
                         f"shape {list(shape)}")
-        file, byte_offset, nbytes, crc, rank = _byte_range(p, ctx, pw)
+        file, byte_offset, nbytes, sums, rank = _byte_range(p, ctx, pw)
         if nbytes != math.prod(lengths) * esize:
             raise _fail(source, f"{pw} nbytes={nbytes} does not match lengths {list(lengths)} of {dtype}")
-        pieces.append(Piece(offsets, lengths, file, byte_offset, nbytes, crc, rank))
+        pieces.append(Piece(offsets, lengths, file, byte_offset, nbytes, sums, rank))
     # in metadata every piece is saved once: two identical pieces overlap
     fault = tiling_fault(shape, [(p.offsets, p.lengths) for p in pieces])
     if fault is not None:

@@ -63,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check completeness, framing and every checksum",
                        description="Check that the checkpoint is complete (metadata present and valid, every "
                                    "data file present and long enough, each piece where the file's header "
-                                   "says, no overlapping pieces) and that every CRC-32 block matches. Exits "
-                                   "1 and lists each fault (file, byte range, tensor) if anything is wrong.")
+                                   "says, no overlapping pieces) and that every block matches its XXH3-64 "
+                                   "checksum. Exits 1 and lists each fault (file, byte range, tensor) if "
+                                   "anything is wrong.")
     p.add_argument("path", metavar="PATH")
     p.add_argument("--threads", type=int, default=4, help="parallel reads (default 4)")
     p.add_argument("--json", action="store_true", help="machine-readable output")

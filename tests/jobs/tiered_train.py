@@ -15,8 +15,9 @@ compares what a job loads and ends with against it, bit for bit.
 
 `--kill PHASE:STEP:NODE`: both ranks of node NODE kill themselves (SIGKILL) at step STEP:
 "between" (once STEP is committed, before the next step), "write" (as the memory write of STEP
-starts), "replicate" (once the manifest of STEP's replicas arrived), "drain" (as the drain of STEP
-to durable storage starts). Each rank writes DIR_out/rank<r>.json: the step and tier it resumed
+starts), "replicate" (once the manifest of STEP's replicas arrived, as the first replica is
+written), "drain" (as the drain of STEP to durable storage starts); the last three through bcp's
+storage fault seam (`bcp_core.storage.faults`). Each rank writes DIR_out/rank<r>.json: the step and tier it resumed
 from, and at the end its rows of the state.
 """
 
@@ -53,10 +54,10 @@ def main() -> None:
     memory = args.memory.split(",")[node]
     os.environ["BCP_MEMORY_DIR"] = os.path.join(args.base, f"mem{memory}")
     os.makedirs(os.environ["BCP_MEMORY_DIR"], exist_ok=True)
+    durable = os.path.join(args.base, "durable")
     if args.kill:
-        _arm(args.kill, node)
-    tiers = bcp.Tiers("memory://job", durable=os.path.join(args.base, "durable"), replicas=1, persist_every=4,
-                      keep_in_memory=2)
+        _arm(args.kill, node, rank, durable)
+    tiers = bcp.Tiers("memory://job", durable=durable, replicas=1, persist_every=4, keep_in_memory=2)
     mesh = init_device_mesh("cpu", (world,))
     state = initial(mesh)
     report = {"rank": rank, "world": world}
@@ -98,40 +99,29 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _arm(spec: str, node: int) -> None:
-    """Make this node's ranks kill themselves at the point `spec` names (module doc)."""
+def _arm(spec: str, node: int, rank: int, durable: str) -> None:
+    """Make this node's ranks kill themselves at the point `spec` names (module doc), through bcp's
+    storage fault seam: at the first file of the step each rank's role opens."""
     phase, step, victim = spec.split(":")
     if node != int(victim):
         return
     step = int(step)
     KILL[phase] = step
     from bcp_core.storage.faults import Fault, inject
-    from bcp_core.tiers import drain, memory_tier, transport
-    if phase == "write":  # the node dies as it starts writing the step's data files into its memory
-        inject(Fault("open_writer", hook=lambda call: _die(), path=f"*/{bcp.layout.BCP_STEPS.name(step)}/*"))
-    elif phase == "replicate":
-        replicate, recv_blob = memory_tier.TierSave.replicate, transport.Peer.recv_blob
-        current = {}
+    name = bcp.layout.BCP_STEPS.name(step)
+    mine = f"-r{rank}_"  # in the names of this rank's own data files
 
-        def tier_replicate(self, comm, request, report):
-            current["step"] = request.save.step
-            return replicate(self, comm, request, report)
-
-        def peer_recv_blob(self, *a, **k):
-            got = recv_blob(self, *a, **k)
-            if current.get("step") == step and "replicate" in self.op:
+    def die_at(own: bool):
+        def hook(call) -> None:
+            if (mine in call.path) == own:
                 _die()
-            return got
-        memory_tier.TierSave.replicate = tier_replicate
-        transport.Peer.recv_blob = peer_recv_blob
-    elif phase == "drain":
-        copy_files = drain.copy_files
-
-        def copy(src, dst, *a, **k):
-            if dst.root.rstrip("/").endswith(bcp.layout.BCP_STEPS.name(step)):
-                _die()
-            return copy_files(src, dst, *a, **k)
-        drain.copy_files = copy
+        return hook
+    if phase == "write":  # as it starts writing its own data files of the step into its memory
+        inject(Fault("open_writer", hook=die_at(True), path=f"memory://*/{name}/data/*"))
+    elif phase == "replicate":  # as the first replica of the step reaches it (its manifest has arrived)
+        inject(Fault("open_writer", hook=die_at(False), path=f"memory://*/{name}/data/*"))
+    elif phase == "drain":  # as the drain of the step starts writing to durable storage
+        inject(Fault("open_writer", hook=lambda call: _die(), path=f"{durable}/*{name}/*"))
     elif phase != "between":
         raise SystemExit(f"unknown kill phase {phase!r}")
 
