@@ -1,5 +1,5 @@
-"""A Megatron checkpoint loaded into a Hugging Face MoE model under DDP or FSDP2 on 2 ranks, compared
-with the same load on one process (tests/test_mapping_moe.py, tests/test_megatron_deepseek.py)."""
+"""A Megatron checkpoint loaded into a Hugging Face MoE model on one process, and under DDP or FSDP2 on 2
+ranks compared with that (tests/test_mapping_moe.py, tests/test_megatron_deepseek.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,32 @@ from collections.abc import Callable
 import torch
 
 import bcp_core as bcp
+
+
+def hf_logits(model: torch.nn.Module, tokens: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """The model's logits on the tokens of seed 99."""
+    with torch.no_grad():
+        return model(input_ids=tokens(99)).logits.clone()
+
+
+def load_into_hf_alone(hf: torch.nn.Module, path: str, tokens: Callable[[int], torch.Tensor],
+                       check: Callable) -> tuple[dict, dict]:
+    """Load `path` into `hf` and a fresh AdamW on this process alone (`mapping=megatron_to_hf`), then
+    one more AdamW step. Returns what the test asserts (logits, Adam steps before and after, counts,
+    and `check(path, hf, opt)`'s (differences, elements checked)) and the reference the wrapped loads
+    are compared with (`load_into_wrapped_hf`): the logits, moments by name, parameters after the step."""
+    opt = torch.optim.AdamW(hf.parameters(), lr=1e-2, weight_decay=0.01)
+    bcp.load(path, {"model": hf, "optimizer": opt}, mapping=bcp.mapping.megatron_to_hf(hf.config))
+    r = {"logits": hf_logits(hf, tokens), "steps": sorted({float(s["step"]) for s in opt.state.values()}),
+         "states": len(opt.state), "params": len(list(hf.parameters()))}
+    r["bad"], r["checked"] = check(path, hf, opt)
+    ref = {"logits": r["logits"], "moments": {n: {k: opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")}
+                                              for n, p in hf.named_parameters()}}
+    hf(input_ids=tokens(7), labels=tokens(7)).loss.backward()  # one more AdamW step
+    opt.step()
+    r["after"] = sorted({float(s["step"]) for s in opt.state.values()})
+    ref["after_step"] = {n: p.detach().clone() for n, p in hf.named_parameters()}
+    return r, ref
 
 
 def load_into_wrapped_hf(hf: torch.nn.Module, wrap: str, path: str, ref: dict, tokens: Callable[[int], torch.Tensor],

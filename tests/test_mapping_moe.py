@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from dist import RECIPES, run_ranks  # noqa: E402
 from megatron_pass import megatron_pass  # noqa: E402
-from sharded_hf import load_into_wrapped_hf  # noqa: E402
+from sharded_hf import hf_logits, load_into_hf_alone, load_into_wrapped_hf  # noqa: E402
 
 if RECIPES not in sys.path:
     sys.path.insert(0, RECIPES)  # recipes/_megatron_cpu.py
@@ -505,24 +505,11 @@ def _into_hf(root: str, family: str, source: str) -> tuple[dict, dict]:
     """The Megatron checkpoint into a Hugging Face model and a fresh AdamW on this process alone."""
     torch.manual_seed(5)
     hf = hf_model(hf_config(family), seed=5)
-    hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-2, weight_decay=0.01)
-    path = os.path.join(root, source)
-    bcp.load(path, {"model": hf, "optimizer": hf_opt}, mapping=bcp.mapping.megatron_to_hf(hf.config))
-    r = {"logits": logits_of(hf), "steps": sorted({float(s["step"]) for s in hf_opt.state.values()}),
-         "states": len(hf_opt.state), "params": len(list(hf.parameters()))}
-    r["bad"], r["checked"] = _checkpoint_moments(path, hf, hf_opt)
-    ref = {"logits": r["logits"], "moments": {n: {k: hf_opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")}
-                                              for n, p in hf.named_parameters()}}
-    hf(input_ids=tokens(7), labels=tokens(7)).loss.backward()  # one more AdamW step
-    hf_opt.step()
-    r["after"] = sorted({float(s["step"]) for s in hf_opt.state.values()})
-    ref["after_step"] = {n: p.detach().clone() for n, p in hf.named_parameters()}
-    return r, ref
+    return load_into_hf_alone(hf, os.path.join(root, source), tokens, _checkpoint_moments)
 
 
 def logits_of(model) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=tokens(99)).logits.clone()
+    return hf_logits(model, tokens)
 
 
 def _hf_to_megatron(root: str) -> dict:

@@ -29,7 +29,7 @@ transformers = pytest.importorskip("transformers")
 
 from dist import RECIPES, run_ranks  # noqa: E402
 from megatron_pass import megatron_pass  # noqa: E402
-from sharded_hf import load_into_wrapped_hf  # noqa: E402
+from sharded_hf import hf_logits, load_into_hf_alone, load_into_wrapped_hf  # noqa: E402
 from test_mapping_deepseek import (DENSE_FFN, EXPERT_FFN, EXPERTS, HEADS, HIDDEN, KV_LORA, LAYERS, NOPE,  # noqa: E402
                                    PADDED, Q_LORA, ROPE, V_HEAD, VOCAB, ds_config, ds_model, megatron_ds_layout,
                                    moments_by_name, mtp_part, trained)
@@ -163,24 +163,12 @@ def _against_layout(saved: dict, hf, hf_opt, mtp: bool = False) -> tuple[list[st
 def _into_hf(root: str, source: str) -> tuple[dict, dict]:
     """The Megatron checkpoint into DeepseekV3ForCausalLM and a fresh AdamW on this process alone."""
     hf = ds_model(ds_config(), seed=5)
-    hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-2, weight_decay=0.01)
-    path = os.path.join(root, source)
-    bcp.load(path, {"model": hf, "optimizer": hf_opt}, mapping=bcp.mapping.megatron_to_hf(hf.config))
-    r = {"logits": logits_of(hf), "steps": sorted({float(s["step"]) for s in hf_opt.state.values()}),
-         "states": len(hf_opt.state), "params": len(list(hf.parameters()))}
-    r["bad"], r["checked"] = _against_layout(_checkpoint_tensors(path), hf, hf_opt)
-    ref = {"logits": r["logits"], "moments": {n: {k: hf_opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")}
-                                              for n, p in hf.named_parameters()}}
-    hf(input_ids=tokens(7), labels=tokens(7)).loss.backward()  # one more AdamW step
-    hf_opt.step()
-    r["after"] = sorted({float(s["step"]) for s in hf_opt.state.values()})
-    ref["after_step"] = {n: p.detach().clone() for n, p in hf.named_parameters()}
-    return r, ref
+    return load_into_hf_alone(hf, os.path.join(root, source), tokens,
+                              lambda path, model, opt: _against_layout(_checkpoint_tensors(path), model, opt))
 
 
 def logits_of(model) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=tokens(99)).logits.clone()
+    return hf_logits(model, tokens)
 
 
 def _mtp_into_hf_names(root: str, source: str) -> dict:
