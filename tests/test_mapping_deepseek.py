@@ -7,6 +7,7 @@ Megatron-core models.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import bcp_core as bcp
+import hf_steps
 
 transformers = pytest.importorskip("transformers")
 # with the integration, checkpoints are recorded as Megatron's (what mapping="auto" goes by); imported only when
@@ -126,31 +128,10 @@ def mtp_part(mtp: dict, L: int, prefix: str = "") -> dict:
     return {prefix + k: v.clone() for k, v in out.items()}
 
 
-def trained(model, steps=2, seed=100):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for i in range(steps):
-        train_step(model, opt, seed + i)
-    return opt
-
-
-def train_step(model, opt, seed):
-    torch.manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (2, 12))
-    model(input_ids=tokens, labels=tokens).loss.backward()
-    opt.step()
-    opt.zero_grad()
-
-
-def logits(model, seed=7):
-    torch.manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (2, 10))
-    with torch.no_grad():
-        return model(input_ids=tokens).logits
-
-
-def moments_by_name(model, opt) -> dict:
-    names = {id(p): n for n, p in model.named_parameters()}
-    return {k: {names[id(p)]: s[k] for p, s in opt.state.items()} for k in ("exp_avg", "exp_avg_sq")}
+trained = functools.partial(hf_steps.trained, vocab=VOCAB)
+train_step = functools.partial(hf_steps.train_step, vocab=VOCAB)
+logits = functools.partial(hf_steps.logits, vocab=VOCAB)
+moments_by_name = hf_steps.moments_by_name
 
 
 def mtp_state(config, seed=3) -> dict:

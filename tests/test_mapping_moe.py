@@ -8,6 +8,7 @@ DDP and DistributedOptimizer under recipes/_megatron_cpu.py) whose cases the tes
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -18,6 +19,7 @@ import bcp_core as bcp
 
 transformers = pytest.importorskip("transformers")
 
+import hf_steps  # noqa: E402
 from dist import RECIPES, run_ranks  # noqa: E402
 from megatron_pass import megatron_pass  # noqa: E402
 from sharded_hf import hf_logits, load_into_hf_alone, load_into_wrapped_hf  # noqa: E402
@@ -100,31 +102,10 @@ def megatron_moe_layout(sd: dict, cfg, padded: int = PADDED, prefix: str = "") -
     return {prefix + k: v.clone() for k, v in out.items()}
 
 
-def trained(model, steps=2, seed=100):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for i in range(steps):
-        train_step(model, opt, seed + i)
-    return opt
-
-
-def train_step(model, opt, seed):
-    torch.manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (2, 12))
-    model(input_ids=tokens, labels=tokens).loss.backward()
-    opt.step()
-    opt.zero_grad()
-
-
-def logits(model, seed=7):
-    torch.manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (2, 10))
-    with torch.no_grad():
-        return model(input_ids=tokens).logits
-
-
-def moments_by_name(model, opt) -> dict:
-    names = {id(p): n for n, p in model.named_parameters()}
-    return {k: {names[id(p)]: s[k] for p, s in opt.state.items()} for k in ("exp_avg", "exp_avg_sq")}
+trained = functools.partial(hf_steps.trained, vocab=VOCAB)
+train_step = functools.partial(hf_steps.train_step, vocab=VOCAB)
+logits = functools.partial(hf_steps.logits, vocab=VOCAB)
+moments_by_name = hf_steps.moments_by_name
 
 
 def megatron_checkpoint(path, model, opt=None, *, chained: bool = False, te_norm: bool = False):
