@@ -1,9 +1,24 @@
-"""One pass of Megatron's own schedule over a Megatron model, for the mapping tests
-(tests/test_mapping_moe.py, tests/test_megatron_hybrid.py, tests/test_megatron_deepseek.py)."""
+"""A Megatron model made ready to train as Megatron-LM's loop makes it, and one pass of Megatron's own
+schedule over it, for the mapping tests (tests/test_mapping_megatron.py, tests/test_mapping_moe.py,
+tests/test_megatron_hybrid.py, tests/test_megatron_deepseek.py)."""
 
 from __future__ import annotations
 
 import torch
+
+
+def megatron_distributed(cfg, model):
+    """`model` in Megatron's DDP with its distributed Adam, as Megatron-LM's training loop sets them up:
+    after backward, the gradients are reduced over DP and the tied embedding's summed over the first
+    and last pipeline stages (they hold one weight each). Returns (ddp, optimizer)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    cfg.finalize_model_grads_func = finalize_model_grads
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                                                     grad_reduce_in_fp32=True), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01,
+                                                 use_distributed_optimizer=True, params_dtype=torch.float32), [ddp])
+    return ddp, opt
 
 
 def megatron_pass(ddp, batch: torch.Tensor, forward_only: bool, seq: int, vocab: int):

@@ -26,6 +26,7 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from dist import RECIPES, run_ranks  # noqa: E402
+from megatron_pass import megatron_distributed  # noqa: E402
 
 if RECIPES not in sys.path:
     sys.path.insert(0, RECIPES)  # recipes/_megatron_cpu.py: Megatron's DDP and DistributedOptimizer on CPU
@@ -88,17 +89,7 @@ def _gpt(tp: int, pp: int, tied: bool, qkv_bias: bool = False):
     return cfg, model
 
 
-def _distributed(cfg, model):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    # as Megatron-LM's training loop does: after backward, reduce the gradients over DP and sum the
-    # tied embedding's over the first and last pipeline stages (they hold one weight each)
-    cfg.finalize_model_grads_func = finalize_model_grads
-    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True,
-                                                                     grad_reduce_in_fp32=True), model)
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01,
-                                                 use_distributed_optimizer=True, params_dtype=torch.float32), [ddp])
-    return ddp, opt
+_distributed = megatron_distributed
 
 
 def _run(ddp, batch: torch.Tensor, forward_only: bool):

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 import hf_steps  # noqa: E402
 from dist import RECIPES, run_ranks  # noqa: E402
-from megatron_pass import megatron_pass  # noqa: E402
+from megatron_pass import megatron_distributed, megatron_pass  # noqa: E402
 from sharded_hf import hf_logits, load_into_hf_alone, load_into_wrapped_hf  # noqa: E402
 
 if RECIPES not in sys.path:
@@ -354,15 +354,7 @@ def _moe_gpt(family: str, ep: int, tp: int, pp: int = 1, etp: int | None = None)
     return cfg, model
 
 
-def _distributed(cfg, model):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    cfg.finalize_model_grads_func = finalize_model_grads
-    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True,
-                                                                     grad_reduce_in_fp32=True), model)
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01,
-                                                 use_distributed_optimizer=True, params_dtype=torch.float32), [ddp])
-    return ddp, opt
+_distributed = megatron_distributed
 
 
 def _run(ddp, batch: torch.Tensor, forward_only: bool):
