@@ -436,10 +436,12 @@ def test_recipe_resumes_a_moe_run_at_another_expert_parallel_size(release, tmp_p
     assert float(re.search(r"largest difference (\S+)", done.stdout)[1]) <= 1e-6, done.stdout
 
 
-LAYOUT_CASES = {"ep2_to_tp2ep1": (ep(2), ["--tensor-model-parallel-size", "2", "--sequence-parallel", *ep(1)]),
-            "ep2_to_etp1": (ep(2), ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                    "--expert-tensor-parallel-size", "1", *ep(2)]),
-            "ep2_to_pp2ep1": (ep(2), ["--pipeline-model-parallel-size", "2", *ep(1)])}
+LAYOUT_CASES = {
+    "ep2_to_tp2ep1": (ep(2), ["--tensor-model-parallel-size", "2", "--sequence-parallel", *ep(1)]),
+    "ep2_to_etp1": (ep(2), ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                            "--expert-tensor-parallel-size", "1", *ep(2)]),
+    "ep2_to_pp2ep1": (ep(2), ["--pipeline-model-parallel-size", "2", *ep(1)]),
+}
 
 
 @pytest.mark.timeout(1800)

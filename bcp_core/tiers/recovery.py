@@ -524,8 +524,8 @@ def _transfer(comm: Comm, step: Storage, view: Storage, choice: Choice, fetches:
         for src, f, lo, hi in fetches.receives:
             if f not in fds:
                 fds[f] = os.open(view._path(choice.files[f]), os.O_WRONLY | os.O_NOFOLLOW)
-            Peer(group, comm.rank, src, tag, deadline, op).recv_parts(None, hi - lo, choice.files[f],
-                                                                      sink=sink(fds[f], lo, choice.files[f]))
+            Peer(group, comm.rank, src, tag, deadline, op).recv_parts(hi - lo, choice.files[f],
+                                                                      sink(fds[f], lo, choice.files[f]))
     except Exception as e:  # noqa: BLE001 - reported at the agreement
         errors.append(e)
     finally:

@@ -136,7 +136,7 @@ def _receive_files(peer: Peer, ckpt: Storage) -> int:
                     writer, failure = None, failure or e
 
         try:
-            received += peer.recv_parts(None, size, rel, sink=sink)
+            received += peer.recv_parts(size, rel, sink)
         except BaseException:
             if writer is not None:
                 writer.abort()

@@ -144,16 +144,13 @@ class Peer:
             self._done_sending(inflight.popleft(), what)
         return len(data)
 
-    def recv_parts(self, out: torch.Tensor | None, size: int, what: str, sink=None) -> int:
-        """`size` bytes sent by `send_parts`, received straight into `out` (a uint8 tensor of `size`,
-        e.g. over a writable map of the file they belong to), or into scratch buffers (`out` None),
-        each part handed to `sink(part, offset)` in order once it arrived, or dropped (no `sink`: the
-        receiver cannot keep them but must not leave the sender waiting)."""
-        scratch = _scratch(min(PART_BYTES, size)) if out is None and size else []
+    def recv_parts(self, size: int, what: str, sink) -> int:
+        """`size` bytes sent by `send_parts`, received into reused buffers, each part handed to
+        `sink(part, offset)` in order once it arrived (the buffer is reused after `sink` returns)."""
+        scratch = _scratch(min(PART_BYTES, size)) if size else []
         inflight: deque = deque()
         for i, lo in enumerate(range(0, size, PART_BYTES)):
-            hi = min(lo + PART_BYTES, size)
-            buf = out[lo:hi] if out is not None else scratch[i % WINDOW][:hi - lo]
+            buf = scratch[i % WINDOW][:min(lo + PART_BYTES, size) - lo]
             inflight.append((self.post_recv(buf), buf, lo))
             if len(inflight) >= WINDOW:
                 self._arrived(inflight.popleft(), what, sink)
@@ -166,8 +163,7 @@ class Peer:
     def _arrived(self, entry, what: str, sink) -> None:
         work, buf, at = entry
         self.wait_received(work, buf, f"{what} bytes {at}..")
-        if sink is not None:
-            sink(memoryview(buf.numpy()), at)
+        sink(memoryview(buf.numpy()), at)
 
     def _done_sending(self, entry, what: str) -> None:
         work, part, lo = entry
