@@ -434,6 +434,48 @@ def test_memory_storage_is_shared_tmpfs(tmp_path, monkeypatch):
             bst.storage_for(bad)
 
 
+def test_memory_retire_keeps_one_checkpoints_files_for_the_next_writes(tmp_path, monkeypatch):
+    """A retired checkpoint's data files are overwritten by the next writes of their names (their
+    tmpfs pages reused), cut to the new size; only the last retired checkpoint's are kept; a spare
+    that is a link is never written through; removing the name frees everything."""
+    monkeypatch.setenv("BCP_MEMORY_DIR", str(tmp_path))
+    root = bst.storage_for("memory://job/tiers")
+    top = tmp_path / "bcp-memory" / "job"
+
+    def write(st, rel, data: bytes, close=True):
+        w = st.open_writer(rel)
+        w.write(memoryview(data))
+        w.close() if close else w.abort()
+
+    one = root.child("step_1")
+    one.makedirs("data")
+    write(one, "data/a", b"a" * 4096)
+    write(one, "data/b", b"b" * 100)
+    one.write_atomic("metadata.json", b"{}")
+    inode = os.stat(top / "tiers" / "step_1" / "data" / "a").st_ino
+    root.retire("step_1")
+    assert root.listdir() == [] and sorted(os.listdir(top / ".spare")) == ["a", "b"]
+
+    two = root.child("step_2")
+    two.makedirs("data")
+    write(two, "data/a", b"x" * 10)  # shorter than the spare: cut to size
+    got = top / "tiers" / "step_2" / "data" / "a"
+    assert got.read_bytes() == b"x" * 10 and os.stat(got).st_ino == inode
+    write(two, "data/b", b"y" * 50, close=False)  # an aborted write consumes its spare, leaves nothing
+    assert os.listdir(top / "tiers" / "step_2" / "data") == ["a"] and os.listdir(top / ".spare") == []
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep")
+    os.symlink(outside, top / ".spare" / "c")
+    write(two, "data/c", b"z" * 3)
+    assert outside.read_bytes() == b"keep" and (top / "tiers" / "step_2" / "data" / "c").read_bytes() == b"zzz"
+    assert not (top / "tiers" / "step_2" / "data" / "c").is_symlink()
+
+    root.retire("step_2")  # the spares of step 1 (the link) go: one retired checkpoint's files at most
+    assert sorted(os.listdir(top / ".spare")) == ["a", "c"] and outside.read_bytes() == b"keep"
+    bst.storage_for("memory://job").remove("")
+    assert not top.exists()
+
+
 def test_file_urls_follow_rfc8089(tmp_path):
     """`file:///x` and `file://localhost/x` are the local path /x (before, the second was the relative
     path `localhost/x`); a URL naming another host is refused with an error naming it."""

@@ -206,9 +206,11 @@ def optimizer_targets(opt, key: str, fqn_of: dict[int, str], md: CheckpointMetad
 
 
 def _new_state_tensor(param: torch.Tensor, tm: TensorMeta) -> torch.Tensor:
-    """Destination for optimizer state that does not exist yet (never by stepping the optimizer)."""
+    """Destination for optimizer state that does not exist yet (never by stepping the optimizer).
+    Left uninitialised: a saved tensor's pieces tile it exactly (metadata.py), so the load writes
+    every byte, and zeroing first would be one more pass over fresh memory."""
     if tuple(tm.shape) == tuple(param.shape):
-        return torch.zeros_like(param, dtype=tm.dtype)  # keeps DTensor placements
-    return torch.zeros(tm.shape, dtype=tm.dtype)  # scalars such as Adam's step live on CPU
+        return torch.empty_like(param, dtype=tm.dtype)  # keeps DTensor placements
+    return torch.empty(tm.shape, dtype=tm.dtype)  # scalars such as Adam's step live on CPU
 
 

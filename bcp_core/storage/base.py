@@ -217,6 +217,12 @@ class Storage(ABC):
         as a link (its target is never touched), and a path is never followed through one. What could
         not be removed raises a StorageError naming it."""
 
+    def retire(self, relpath: str) -> None:
+        """Remove the checkpoint directory `relpath` that a newer checkpoint of the same job replaced
+        (a tiered save's retention). As `remove` here; a storage may keep its files for the writes of
+        the job's next checkpoints (MemoryStorage)."""
+        self.remove(relpath)
+
     def sync_dir(self, relpath: str = "") -> None:
         """Make a directory's entries (files created, renamed or removed in it) durable: an fsync of
         the POSIX directory when this storage fsyncs; nothing on stores without directories."""

@@ -33,7 +33,7 @@ from .base import FileWriter, Storage
 # and `write_in_place`), "close" its completion (made durable and visible), "abort" its discarding;
 # the others are the `Storage` methods of that name.
 OPS = ("open_writer", "write", "close", "abort", "read_into", "map", "size", "write_atomic", "read_bytes",
-       "exists", "listdir", "makedirs", "remove", "sync_dir")
+       "exists", "listdir", "makedirs", "remove", "retire", "sync_dir")
 
 
 @dataclass(frozen=True)
@@ -210,6 +210,10 @@ def _faulty_class(cls: type[Storage]) -> type[Storage]:
         def remove(self, relpath):
             _check("remove", self.join(relpath))
             return super().remove(relpath)
+
+        def retire(self, relpath):
+            _check("retire", self.join(relpath))
+            return super().retire(relpath)
 
         def sync_dir(self, relpath=""):
             _check("sync_dir", self.join(relpath))

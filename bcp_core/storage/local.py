@@ -146,7 +146,9 @@ class _LocalWriter(FileWriter):
     """A file written at increasing offsets: directly to the device if it can, else in parallel chunks.
 
     The bytes go to a new temporary file in the target's directory (`dir_fd`, owned by the writer
-    from now on); `close` renames it into place, `abort` deletes it. Each descriptor is closed once.
+    from now on), or to a `spare` file renamed to that temporary name and overwritten (buffered
+    writes only; MemoryStorage.retire); `close` renames it into place, `abort` deletes it. Each
+    descriptor is closed once.
 
     Direct I/O: the bytes are copied into a page-aligned buffer (`_ALIGNED`); full buffers are
     written by threads of the writer's own (up to `IN_FLIGHT` at once) while the next one fills, so
@@ -159,14 +161,18 @@ class _LocalWriter(FileWriter):
     parallel threads, so the engine hands over whole pieces (`write_bytes` None).
     """
 
-    def __init__(self, dir_fd: int, name: str, shown: str, fsync: bool, mode: int = 0o644):
+    def __init__(self, dir_fd: int, name: str, shown: str, fsync: bool, mode: int = 0o644,
+                 spare: tuple[int, str] | None = None):
         self.dir_fd, self.name, self.path, self.fsync = dir_fd, name, shown, fsync
         self.tmp = temp_name(name)
         self.fd: int | None = None
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
         # direct I/O for durable files only: memory:// (no fsync) lives in the page cache by design
         self.direct = fsync and CONFIG.direct_io and hasattr(os, "O_DIRECT")
+        self.reused = False  # the file was a spare (`spare`): cut to size at close
         try:
+            if spare is not None and not self.direct:
+                self.reused = self._take(*spare)
             if self.direct:
                 try:
                     self.fd = os.open(self.tmp, flags | os.O_DIRECT, mode, dir_fd=dir_fd)
@@ -174,7 +180,7 @@ class _LocalWriter(FileWriter):
                     if e.errno != errno.EINVAL:  # EINVAL: this filesystem has no direct I/O
                         raise
                     self.direct = False
-            if not self.direct:
+            if not self.direct and not self.reused:
                 self.fd = os.open(self.tmp, flags, mode, dir_fd=dir_fd)
         except BaseException:
             self._close_dir()
@@ -188,6 +194,24 @@ class _LocalWriter(FileWriter):
         self.fill = 0
         self.inflight: list[tuple[Future, mmap.mmap, int, int]] = []
         self.pool: ThreadPoolExecutor | None = None
+
+    def _take(self, spare_dir: int, spare: str) -> bool:
+        """Make the file `spare` of directory `spare_dir` this writer's temporary file, to be
+        overwritten (MemoryStorage.retire says why). False if it is not there (another writer took
+        it) or not a plain file: then a new file is made."""
+        try:
+            os.rename(spare, self.tmp, src_dir_fd=spare_dir, dst_dir_fd=self.dir_fd)
+        except OSError:
+            return False
+        try:
+            if stat.S_ISREG(os.stat(self.tmp, dir_fd=self.dir_fd, follow_symlinks=False).st_mode):
+                self.fd = os.open(self.tmp, os.O_WRONLY | os.O_NOFOLLOW, dir_fd=self.dir_fd)
+                return True
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            os.unlink(self.tmp, dir_fd=self.dir_fd)
+        return False
 
     def write(self, data: memoryview) -> None:
         self._write(data, in_place=False)
@@ -329,6 +353,8 @@ class _LocalWriter(FileWriter):
             try:
                 if self.direct:
                     self._finish_direct()
+                elif self.reused:  # the spare may have been longer
+                    os.ftruncate(self.fd, self.pos)
                 if self.fsync:  # direct writes too: the file's size and the device's cache
                     os.fsync(self.fd)
             finally:

@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import stat
 
 from ..errors import StorageError
-from .base import Storage, register_storage
-from .local import DIR_NOFOLLOW, LocalStorage
+from .base import FileWriter, Storage, register_storage, temp_name
+from .local import DIR_NOFOLLOW, LocalStorage, _LocalWriter, _remove_tree
+
+log = logging.getLogger("bcp")
+
+# memory://NAME/.spare: the data files of the checkpoint retired last under NAME (MemoryStorage.retire)
+SPARES = ".spare"
 
 
 def memory_dir() -> str:
@@ -90,6 +96,55 @@ class MemoryStorage(LocalStorage):
 
     def _path(self, relpath: str) -> str:
         return os.path.join(self.local_root, *relpath.split("/")) if relpath else self.local_root
+
+    def open_writer(self, relpath: str) -> FileWriter:
+        """As a local file's, but a spare of the same name (`retire`) is overwritten if there is one."""
+        dir_fd, name = self._parent(relpath)
+        spares = self._spares()
+        try:
+            return _LocalWriter(dir_fd, name, self.join(relpath), self.fsync, self.FILE_MODE,
+                                spare=None if spares is None else (spares, name))
+        finally:
+            if spares is not None:
+                os.close(spares)
+
+    def retire(self, relpath: str) -> None:
+        """Remove the checkpoint directory `relpath`, keeping its data files as spares that the next
+        writes of the same names (a newer checkpoint's, `open_writer`) overwrite: a write into a
+        tmpfs file's existing pages costs about half of one that allocates and zeroes new pages (a
+        tiered save every step writes and receives the same files step after step). The spares of
+        an earlier call go first, so memory holds one retired checkpoint's files at most; removing
+        the NAME (`storage_for("memory://NAME").remove("")`) frees them with the rest."""
+        top = os.open(os.path.join(self.base, self.parts[0]), DIR_NOFOLLOW)  # memory://NAME
+        try:
+            failed: list[str] = []
+            old = temp_name(SPARES)  # renamed away first: a writer taking one meanwhile makes a new file
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(SPARES, old, src_dir_fd=top, dst_dir_fd=top)
+            _remove_tree(top, old, f"memory://{self.parts[0]}/{SPARES}", failed)
+            if failed:  # they stay in RAM: say so (the checkpoint's removal goes on)
+                log.warning("bcp: could not remove the spare files of an earlier checkpoint: %s", "; ".join(failed[:3]))
+            try:
+                data, name = self._parent(f"{relpath}/data")
+            except (OSError, StorageError):
+                data = None
+            if data is not None:
+                try:
+                    os.rename(name, SPARES, src_dir_fd=data, dst_dir_fd=top)
+                except OSError:
+                    pass  # no data directory, or not one: removed below with the rest
+                finally:
+                    os.close(data)
+        finally:
+            os.close(top)
+        self.remove(relpath)
+
+    def _spares(self) -> int | None:
+        """A descriptor of memory://NAME/.spare, or None if there is none."""
+        try:
+            return os.open(os.path.join(self.base, self.parts[0], SPARES), DIR_NOFOLLOW)
+        except OSError:
+            return None
 
     def makedirs(self, relpath: str = "") -> None:
         """Every directory from the memory base down is made 0700, or checked to be this user's and tightened."""

@@ -64,8 +64,13 @@ class TierRuntime:
                     for name, error in layout.remove_leftovers(root, committed).failed:
                         log.warning("bcp: could not remove %s, left by a failed save under %s: %s", name, root.root,
                                     error)
-                for name, error in layout.prune(root, keep, keep=self.pinned | set(pinned)).failed:
-                    log.warning("bcp: could not remove %s from %s: %s", name, root.root, error)
+                # the steps that go are retired: their files are overwritten by the next steps' (MemoryStorage.retire)
+                for name in layout.prune(root, keep, keep=self.pinned | set(pinned), dry_run=True).removed:
+                    try:
+                        root.remove(f"{name}/{METADATA_FILE}")  # first: never a step that looks whole
+                        root.retire(name)
+                    except Exception as e:  # noqa: BLE001 - logged, and the others still go
+                        log.warning("bcp: could not remove %s from %s: %s", name, root.root, e)
             except Exception as e:  # noqa: BLE001 - see above
                 log.warning("bcp: keeping the newest %d steps in %s failed: %s", keep, root.root, e)
 
