@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fetches, here, the wheels bench/gpu_check.sh installs on a lent GPU machine (CPython 3.12, x86-64,
-# no network there) into .whl/, which git ignores and the device tool's run carries (carry [".whl"]).
+# no network there), and Megatron-LM 0.16.1's source tree, into .whl/, which git ignores and the device tool's run carries (carry [".whl"]).
 #
 #     bash bench/fetch_gpu_wheels.sh
 #
@@ -27,6 +27,13 @@ fi
 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $wheels
+# Megatron-LM's training loop (pretrain_gpt.py, megatron/training) is in its source tree only, not in the
+# megatron-core wheel: tests/test_megatron_lm_device.py runs 0.16.1's (BCP_MEGATRON_LM: ../shared/megatron_lm)
+tree="${BCP_MEGATRON_LM:-../shared/megatron_lm}/core_v0.16.1"
+[ -d "$tree/megatron/training" ] || { echo "no Megatron-LM 0.16.1 tree at $tree (set BCP_MEGATRON_LM)" >&2; exit 1; }
+rm -rf .whl/megatron_lm && mkdir -p .whl/megatron_lm
+cp -r "$tree" .whl/megatron_lm/ && find .whl/megatron_lm -name __pycache__ -prune -exec rm -rf {} +
+echo "megatron_lm/core_v0.16.1 ($(du -sk .whl/megatron_lm | cut -f1) KiB)"
 for f in .whl/*.whl; do
     echo "$(basename "$f") ($(du -k "$f" | cut -f1) KiB) requires:" \
         "$(unzip -p "$f" '*.dist-info/METADATA' | grep '^Requires-Dist' | grep -v 'extra ==' | cut -d' ' -f2- |

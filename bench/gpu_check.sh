@@ -6,7 +6,8 @@
 #     bash bench/gpu_check.sh --print-wheels  the wheels it installs (bench/fetch_gpu_wheels.sh fetches them)
 #
 # Without network: installs the wheels carried in .whl/ and bcp from this working tree, runs
-# tests/test_cuda.py, tests/test_device_integrations.py and tests/test_cuda_deepspeed.py (a GPU
+# tests/test_cuda.py, tests/test_device_integrations.py, tests/test_megatron_lm_device.py (Megatron-LM's
+# tree carried in .whl/megatron_lm) and tests/test_cuda_deepspeed.py (a GPU
 # torch cannot see is a failure there), bench/gpu_integrations.py (the first checkpoint step
 # through each integration) and bench/gpu.py (bcp against DCP, the floors) within BCP_GPU_CHECK_S seconds (480), and writes into
 # OUT: summary.txt, env.txt, pytest.txt, pytest_junit.xml, bench_integrations.json,
@@ -23,7 +24,7 @@ TESTS_S=${BCP_GPU_TESTS_S:-330}   # the tests at most (0: no tests)
 INTEGRATIONS_S=${BCP_GPU_INTEGRATIONS_S:-80}  # the integrations' bench at most (0: none); bench/gpu.py gets the rest
 BENCH_GIB=${BCP_GPU_GIB:-4}       # state sizes of bench/gpu.py, smallest first (BCP_GPU_SYSTEMS: its systems, bcp,dcp)
 # the files whose cuda tests have not all passed on a GPU yet first, so a run cut short still tells
-TEST_FILES=${BCP_GPU_TEST_FILES:-tests/test_cuda_deepspeed.py tests/test_device_integrations.py tests/test_cuda.py}
+TEST_FILES=${BCP_GPU_TEST_FILES:-tests/test_cuda_deepspeed.py tests/test_device_integrations.py tests/test_megatron_lm_device.py tests/test_cuda.py}
 
 if [ "${1:-}" = --print-wheels ]; then
     echo "$WHEELS"
@@ -54,6 +55,8 @@ if [ "$mode" = gpu ]; then
     export PYTHONPATH=/tmp/bcp_site:$repo${PYTHONPATH:+:$PYTHONPATH}
     $py -m pip install -q --no-index --no-deps --no-build-isolation -e . >>"$out/env.txt" 2>&1 ||
         note "pip install -e . failed (env.txt); bcp is imported from the working tree (PYTHONPATH)"
+    # Megatron-LM 0.16.1's training loop (tests/test_megatron_lm_device.py), carried beside the wheels
+    [ -d .whl/megatron_lm/core_v0.16.1 ] && export BCP_MEGATRON_LM=$repo/.whl/megatron_lm
     export BCP_REQUIRE_CUDA=1
     tests="cuda"  # the CPU twins ran where the suite runs
     bench_args="--device cuda --gib $BENCH_GIB --systems ${BCP_GPU_SYSTEMS:-bcp,dcp}"
@@ -67,6 +70,7 @@ else
         --platform manylinux2014_x86_64 --target /tmp/bcp_site_check .whl/*.whl \
         >>"$out/env.txt" 2>&1 || { note "the carried wheels do not install for CPython 3.12 x86-64 (env.txt)"; exit 2; }
     tests=""  # every test of the files, the slow cpu twins too
+    [ -z "${BCP_MEGATRON_LM:-}" ] && [ -d ../shared/megatron_lm ] && export BCP_MEGATRON_LM=$(cd ../shared/megatron_lm && pwd)
     bench_args="--device cpu --gib 0.0005,0.001 --hidden 128 --steps 6 --every 2 --step-ms 5"
     integrations_args="--device cpu --gib 0.001 --hidden 128 --rows 16 --step-ms 5 --steps 10 --first 3 --every 4"
     INTEGRATIONS_S=${BCP_GPU_INTEGRATIONS_S:-400}  # four fresh processes importing the frameworks, here

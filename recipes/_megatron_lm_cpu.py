@@ -31,9 +31,13 @@ def site_packages() -> str:
 
 def wheel_helpers_so() -> str | None:
     """The installed megatron-core wheel's compiled dataset helpers (helpers.cpp is the same source
-    in 0.16.1, 0.17.1 and 0.19.0; the trees hold it uncompiled)."""
-    found = sorted(glob.glob(os.path.join(site_packages(), "megatron", "core", "datasets", "helpers_cpp*.so")))
-    return found[0] if found else None
+    in 0.16.1, 0.17.1 and 0.19.0; the trees hold it uncompiled): in site-packages, or in a directory
+    on the path that the wheel was installed into (`pip install --target`, as on the GPU machine)."""
+    for where in [site_packages(), *sys.path]:
+        found = sorted(glob.glob(os.path.join(where or ".", "megatron", "core", "datasets", "helpers_cpp*.so")))
+        if found:
+            return found[0]
+    return None
 
 
 def use_wheel_helpers() -> bool:

@@ -89,25 +89,27 @@ class Run:
 
 
 def pretrain(release: str, workdir: str, *flags: str, fmt: str = "torch_dist", sigterm_after: int | None = None,
-             expect_rc: int | None = 0, enable_bcp: bool | None = None) -> Run:
-    """One launch of Megatron-LM's pretrain_gpt.py on 2 ranks, saving to and loading from
+             expect_rc: int | None = 0, enable_bcp: bool | None = None, ranks: int = 2, device: str = "cpu") -> Run:
+    """One launch of Megatron-LM's pretrain_gpt.py on `ranks` ranks, saving to and loading from
     workdir/ckpt. sigterm_after=i: SIGTERM goes to torchrun once iteration i is logged (each logged
     iteration then waits a second, so the signal arrives mid-run). enable_bcp: whether the script
-    calls enable_megatron_lm() (default: for --ckpt-format bcp only)."""
+    calls enable_megatron_lm() (default: for --ckpt-format bcp only). device "cuda": Megatron-LM as
+    it runs on GPUs (NCCL, no CPU stand-ins)."""
     ckpt = os.path.join(workdir, "ckpt")
     records = os.path.join(workdir, f"records_{time.monotonic_ns()}")
-    launcher = ["--release", release, "--record", records]
+    launcher = ["--release", release, "--record", records, "--device", device]
     if fmt == "bcp" if enable_bcp is None else enable_bcp:
         launcher.append("--bcp")
     if sigterm_after is not None:
         launcher += ["--pause-at", str(sigterm_after)]
-    argv = [*MODEL, "--train-iters", str(ITERATIONS), "--save", ckpt, "--load", ckpt,
+    model = [("nccl" if device == "cuda" and a == "gloo" else a) for a in MODEL]
+    argv = [*model, "--train-iters", str(ITERATIONS), "--save", ckpt, "--load", ckpt,
             "--save-interval", str(SAVE_INTERVAL), "--ckpt-format", fmt, *flags]
     # TORCH_ELASTIC_SHUTDOWN_TIMEOUT: the grace torchrun gives its workers after a SIGTERM before it
     # kills them (30 s by default; a loaded machine may take longer to write the checkpoint)
     env = {"OMP_NUM_THREADS": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(LAUNCH_TIMEOUT)}
     start = time.monotonic()
-    job = Job("megatron_lm_pretrain.py", 2, *launcher, "--", *argv, env=env)
+    job = Job("megatron_lm_pretrain.py", ranks, *launcher, "--", *argv, env=env)
     if sigterm_after is not None:
         def logged(text: str) -> bool:  # the lines written whole
             return any(json.loads(line)["iteration"] >= sigterm_after for line in text.split("\n")[:-1])

@@ -1,11 +1,12 @@
-"""Megatron-LM's own `pretrain_gpt.py`, run as its users run it, on CPU with gloo.
+"""Megatron-LM's own `pretrain_gpt.py`, run as its users run it, on CPU with gloo (or on a GPU).
 
     BCP_MEGATRON_LM=../shared/megatron_lm torchrun --nproc_per_node 2 tests/jobs/megatron_lm_pretrain.py
-        --release 0.19.0 --record DIR [--bcp] [--pause-at ITERATION] -- <pretrain_gpt.py arguments>
+        --release 0.19.0 --record DIR [--bcp] [--device cuda] [--pause-at ITERATION] -- <pretrain_gpt.py arguments>
 
 --release: the Megatron-LM source tree $BCP_MEGATRON_LM/core_v<release> is imported instead of the
 installed megatron-core; the CPU stand-ins of recipes/_megatron_lm_cpu.py are installed, then the
-tree's pretrain_gpt.py runs as `__main__` with the given arguments. --record: each rank that logs
+tree's pretrain_gpt.py runs as `__main__` with the given arguments (--device cuda: no stand-ins,
+Megatron-LM as on GPUs, in the processes it spawns too). --record: each rank that logs
 an iteration's loss (the last pipeline stage) appends it to DIR/losses_rank<r>.jsonl as
 {"iteration": i, "lm loss": x}, x exactly as Megatron computed it (its own log prints 6 digits and,
 on some iterations, an average over iterations). --pause-at: every rank waits in the log of that
@@ -30,7 +31,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import megatron_lm_cpu  # noqa: E402
 from pause import release_file  # noqa: E402
 
-if __name__ == "__mp_main__":  # a process Megatron spawned, which imports this launcher as its main module
+# a process Megatron spawned, which imports this launcher as its main module (the launcher's --device
+# reaches it through the environment)
+if __name__ == "__mp_main__" and os.environ.get("BCP_TEST_MEGATRON_DEVICE", "cpu") == "cpu":
     megatron_lm_cpu.install_in_spawned_process()
 
 
@@ -75,14 +78,18 @@ def main() -> None:
     parser.add_argument("--record", required=True, help="directory for losses_rank<r>.jsonl")
     parser.add_argument("--pause-at", type=int, default=None, help="iteration at which to wait for the test")
     parser.add_argument("--bcp", action="store_true", help="enable_megatron_lm() first (--ckpt-format bcp)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: as on GPUs, without the CPU stand-ins (the GPU check)")
     ours, megatron_argv = parser.parse_known_args()
     if megatron_argv[:1] == ["--"]:
         megatron_argv = megatron_argv[1:]
 
     # validate_args requires it for TP > 1 (it orders CUDA kernel launches; nothing on CPU)
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    os.environ["BCP_TEST_MEGATRON_DEVICE"] = ours.device
     tree = megatron_lm_cpu.use_release(ours.release)
-    megatron_lm_cpu.install()
+    if ours.device == "cpu":
+        megatron_lm_cpu.install()
     os.makedirs(ours.record, exist_ok=True)
     record_losses(ours.record, ours.pause_at)
     if ours.bcp:

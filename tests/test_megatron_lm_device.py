@@ -1,0 +1,48 @@
+"""Megatron-LM's `pretrain_gpt.py --ckpt-format bcp` on a GPU (issue #44): 0.16.1's training loop on one
+CUDA device with NCCL, TP=1, the distributed optimizer saving through Megatron's persistent async
+worker. Resumed from the uninterrupted run's iteration-3 checkpoint, iterations 4-6 log the same
+losses and the iteration-6 checkpoint holds the same tensors, bit for bit; both checkpoints are read
+whole by bcp in this process, on the CPU.
+
+Marked `cuda` (bench/gpu_check.sh runs it on a lent GPU, docs/gpu.md; it needs the 0.16.1 tree there,
+which bench/fetch_gpu_wheels.sh puts beside the wheels). The `cpu` twin is the same test with one rank
+on gloo and the CPU stand-ins (slow tier, and the GPU check's CPU rehearsal); tests/test_megatron_lm.py
+runs the loop on two ranks in every layout.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import megatron_releases
+
+megatron_releases.skip_without_megatron_core()
+
+import torch  # noqa: E402
+
+from test_megatron_lm import (  # noqa: E402 - its launcher and checks
+    DISTRIBUTED_OPTIMIZER, ITERATIONS, SAVE_INTERVAL, assert_same_checkpoint, async_flags, iteration_dir, pretrain,
+    resume_from, resumed_at)
+
+RELEASE = "0.16.1"  # the release whose wheel (the dataset helpers) and tree the GPU check carries
+DEVICES = [pytest.param("cpu", id="cpu", marks=pytest.mark.slow),
+           pytest.param("cuda", id="cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+               not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu_check.sh runs it on a GPU)")])]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("device", DEVICES)
+def test_pretrain_gpt_resumes_bit_identical(device, tmp_path):
+    reason = megatron_releases.skip_reason(RELEASE, need_tree=True)
+    if reason is not None:
+        pytest.skip(reason)
+    flags = [*DISTRIBUTED_OPTIMIZER, *async_flags(RELEASE)]
+    first, second = str(tmp_path / "uninterrupted"), str(tmp_path / "resumed")
+    reference = pretrain(RELEASE, first, *flags, fmt="bcp", ranks=1, device=device)
+    assert sorted(reference.losses) == list(range(1, ITERATIONS + 1)), reference.output[-4000:]
+    resume_from(first, second, SAVE_INTERVAL)
+    resumed = pretrain(RELEASE, second, *flags, fmt="bcp", ranks=1, device=device)
+    resumed_at(resumed, SAVE_INTERVAL)
+    assert resumed.losses == {i: reference.losses[i] for i in range(SAVE_INTERVAL + 1, ITERATIONS + 1)}
+    # read whole by bcp in this process, on the CPU: every tensor of both, compared bit for bit
+    assert_same_checkpoint(iteration_dir(first, ITERATIONS), iteration_dir(second, ITERATIONS), "bcp")
