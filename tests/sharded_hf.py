@@ -37,10 +37,12 @@ def load_into_hf_alone(hf: torch.nn.Module, path: str, tokens: Callable[[int], t
 
 
 def load_into_wrapped_hf(hf: torch.nn.Module, wrap: str, path: str, ref: dict, tokens: Callable[[int], torch.Tensor],
-                         experts: str) -> dict:
+                         experts: str | None = None) -> dict:
     """Load `path` into `hf` wrapped by DDP (`mapping="auto"`) or FSDP2 (the declared mapping) on every
-    rank, then one more AdamW step: what differs from the one-process load `ref` (its logits, moments by
-    name, parameters after that step), and whether the stacked experts `experts` were sharded."""
+    rank (a collective load: shared reads, the metadata read once per node), then one more AdamW step
+    on the same batch on every rank: what differs from the one-process load `ref` (its logits, moments
+    by name, parameters after that step), and whether FSDP2 sharded the stacked experts `experts` (or,
+    without experts, every parameter)."""
     from torch.distributed.tensor import DTensor
 
     if wrap == "ddp":
@@ -68,7 +70,10 @@ def load_into_wrapped_hf(hf: torch.nn.Module, wrap: str, path: str, ref: dict, t
     model(input_ids=tokens(7), labels=tokens(7)).loss.backward()
     opt.step()
     after = max(float((full(p.detach()) - ref["after_step"][n]).abs().max()) for n, p in params.items())
-    stacked = params[experts]
+    if experts is None:
+        sharded = all(isinstance(p, DTensor) for p in params.values())
+    else:
+        sharded = isinstance(params[experts], DTensor) and params[experts].to_local().shape[0] == 2
     return {"logits_diff": float((full(out) - ref["logits"]).abs().max()), "bad": bad, "steps": steps,
             "states": len(opt.state), "params": len(params), "after_step_diff": after,
-            "sharded": wrap == "ddp" or (isinstance(stacked, DTensor) and stacked.to_local().shape[0] == 2)}
+            "sharded": wrap == "ddp" or sharded}

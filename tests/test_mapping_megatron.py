@@ -26,7 +26,8 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from dist import RECIPES, run_ranks  # noqa: E402
-from megatron_pass import megatron_distributed  # noqa: E402
+from megatron_pass import megatron_distributed, megatron_pass  # noqa: E402
+from sharded_hf import load_into_wrapped_hf  # noqa: E402
 
 if RECIPES not in sys.path:
     sys.path.insert(0, RECIPES)  # recipes/_megatron_cpu.py: Megatron's DDP and DistributedOptimizer on CPU
@@ -92,36 +93,12 @@ def _gpt(tp: int, pp: int, tied: bool, qkv_bias: bool = False):
 _distributed = megatron_distributed
 
 
-def _run(ddp, batch: torch.Tensor, forward_only: bool):
-    """One pipeline pass (Megatron's schedule); returns the last stage's full-vocabulary logits."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-    out = {}
-    pos = torch.arange(SEQ)[None].expand(batch.shape[0], SEQ)
-
-    def step(_, model):
-        if forward_only:
-            logits = model(batch, pos, None)
-
-            def keep(o):
-                out["logits"] = gather_from_tensor_model_parallel_region(o).detach()
-                return o.sum() * 0, {}
-            return logits, keep
-        loss = model(batch, pos, None, labels=batch)
-        return loss, lambda o: (o.float().mean(), {})
-
-    get_forward_backward_func()(forward_step_func=step, data_iterator=iter([None]), model=[ddp], num_microbatches=1,
-                                seq_length=SEQ, micro_batch_size=batch.shape[0], forward_only=forward_only)
-    return out.get("logits") if ps.is_pipeline_last_stage() else None
-
-
 def _train(ddp, opt, batches) -> None:
     """One optimizer step per batch: zeroed gradients, a pipeline pass with backward, the step."""
     for batch in batches:
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        _run(ddp, batch, forward_only=False)
+        megatron_pass(ddp, batch, False, SEQ, VOCAB)
         opt.step()
 
 
@@ -209,7 +186,7 @@ def _megatron_to_hf(rank, world_size, root):
             cfg, model = _gpt(tp, pp, tied, qkv_bias=case in QWEN2)
             ddp, opt = _distributed(cfg, model)
             _train(ddp, opt, [tokens(10), tokens(11)])
-            logits = _run(ddp, tokens(99), forward_only=True)
+            want = megatron_pass(ddp, tokens(99), True, SEQ, VOCAB)  # None off the last pipeline stage
             model_sd = model.sharded_state_dict()
             opt_sd = opt.sharded_state_dict(model_sd, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
             path = os.path.join(root, case)  # Megatron's own fully_reshardable (gathered over DP)
@@ -235,8 +212,7 @@ def _megatron_to_hf(rank, world_size, root):
         with torch.no_grad():
             hf_logits = hf(input_ids=tokens(99)).logits
         r = {"framework": bcp.inspect(path).framework, "logits_diff": None, "megatron_logit_scale": None}
-        if logits is not None:
-            want = logits[..., :VOCAB].transpose(0, 1) if logits.shape[0] == SEQ else logits[..., :VOCAB]
+        if want is not None:
             r["logits_diff"] = float((hf_logits - want).abs().max())
             r["megatron_logit_scale"] = float(want.abs().max())
             r["megatron_logits"] = want.clone()
@@ -309,14 +285,13 @@ def _hf_to_megatron(root: str) -> dict:
                 loaded = bm.BcpLoadShardedStrategy(mapping=m).load(sharded, path)
             model.load_state_dict(loaded["model"])
             opt.load_state_dict(loaded["optimizer"])
-            logits = _run(ddp, tokens(99), forward_only=True)
+            want = megatron_pass(ddp, tokens(99), True, SEQ, VOCAB)  # None off the last pipeline stage
             moments = _megatron_moments(model, opt)
             steps = sorted({float(s["step"]) for s in distopt.optimizer.state.values()})
             _train(ddp, opt, [tokens(7)])  # one more step runs
             after = sorted({float(s["step"]) for s in distopt.optimizer.state.values()})
         r = {"logits_diff": None, "steps": steps, "after": after}
-        if logits is not None:
-            want = logits[..., :VOCAB].transpose(0, 1) if logits.shape[0] == SEQ else logits[..., :VOCAB]
+        if want is not None:
             r["logits_diff"] = float((hf_logits - want).abs().max())
         r["bad"], r["checked"] = _compare_moments(moments, hf, hf_opt, 128 * tp)
         out[case] = r
@@ -325,43 +300,11 @@ def _hf_to_megatron(root: str) -> dict:
 
 def _sharded_hf_target(wrap: str, path: str, ref: dict) -> dict:
     """The TP=2 checkpoint into a Hugging Face model under DDP or FSDP2 on both ranks, with a fresh
-    AdamW: compared with the same load on one process (`ref`), then one more step on both."""
-    import bcp_core as bcp
-    from torch.distributed.tensor import DTensor
-
+    AdamW, after Megatron made and destroyed its process groups: compared with the same load on one
+    process (`ref`), then one more step on both. DDP loads with mapping="auto" (the checkpoint says
+    Megatron saved it, the target is a Llama)."""
     torch.manual_seed(5)
-    hf = transformers.LlamaForCausalLM(hf_config(False)).eval()
-    if wrap == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(hf)
-    else:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh("cpu", (2,))
-        for layer in hf.model.layers:
-            fully_shard(layer, mesh=mesh)
-        model = fully_shard(hf, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    # a collective load (shared reads, the metadata read once per node) after Megatron made and
-    # destroyed its process groups
-    # DDP: mapping="auto" (the checkpoint says Megatron saved it, the target is a Llama)
-    mapping = "auto" if wrap == "ddp" else bcp.mapping.megatron_to_hf(hf.config)
-    bcp.load(path, {"model": model, "optimizer": opt}, mapping=mapping, share_reads=True)
-
-    def full(t):
-        return t.full_tensor() if isinstance(t, DTensor) else t
-
-    params = dict(hf.named_parameters())  # the optimizer's (FSDP2: sharded) parameters, before a forward
-    bad = [n for n, p in params.items() for k in ("exp_avg", "exp_avg_sq")
-           if not torch.equal(full(opt.state[p][k]), ref["moments"][n][k])]
-    with torch.no_grad():
-        logits = model(input_ids=tokens(99)).logits
-    steps = sorted({float(s["step"]) for s in opt.state.values()})
-    model(input_ids=tokens(7), labels=tokens(7)).loss.backward()  # the same batch on both ranks
-    opt.step()
-    after = max(float((full(p.detach()) - ref["after_step"][n]).abs().max()) for n, p in params.items())
-    return {"logits_diff": float((full(logits) - ref["logits"]).abs().max()), "bad": bad, "steps": steps,
-            "states": len(opt.state), "after_step_diff": after,
-            "sharded": wrap == "ddp" or all(isinstance(p, DTensor) for p in params.values())}
+    return load_into_wrapped_hf(transformers.LlamaForCausalLM(hf_config(False)).eval(), wrap, path, ref, tokens)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ the saved units, in global order (DP rank major, worker minor), tile [0, 1) in e
 so do the new units. A new unit takes from every saved unit it overlaps the same fraction of that
 unit's remaining work (`split_unit_state`) and joins the pieces (`merge_unit_states`). Every
 remaining token therefore lands in exactly one new unit. Read workers are processes that pack
-ahead and report their states, so a checkpoint never waits for them.
+ahead and report their states, so a checkpoint never waits for them (read_workers.py).
 """
 
 from __future__ import annotations
@@ -13,10 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import multiprocessing as mp
-import queue
-import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -26,8 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import LoaderStateError, ReadWorkerError
+from ..errors import LoaderStateError
 from .protocol import ReshardableLoader, _check_rank
+from .read_workers import ReadWorkerPool
 
 log = logging.getLogger("bcp")
 
@@ -91,6 +89,10 @@ class _Unit:
     @property
     def exhausted(self) -> bool:
         return self.buffer.size == 0 and not any(self.docs)
+
+    def compacted(self) -> _Unit:
+        """The same state with its buffer as small as it goes (`_compact`), to send or to save."""
+        return replace(self, buffer=_compact(self.buffer))
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -174,170 +176,6 @@ class _Packer:
         return after, out.reshape(self.batch_size, self.seq_len), real
 
 
-# ----------------------------------------------------------------------------- read workers
-
-class _Stop(Exception):
-    pass
-
-
-def _read_worker(packer: _Packer, unit: _Unit, w: int, data_q, ctrl_q, state_q, keep: int) -> None:
-    """Produce batches of one unit into data_q; answer ("state", n) with the state after batch n.
-
-    Requests may come before batch n exists (prefetching: answered right after producing it) or
-    after (answered from the last `keep` states, which covers every batch not yet consumed).
-    """
-    data_q.cancel_join_thread()  # on stop, batches nobody will read must not block the exit
-    produced, ring, wanted = 0, {0: unit}, set()
-
-    def take(msg) -> None:
-        if msg[0] == "stop":
-            raise _Stop
-        wanted.add(msg[1])
-
-    def poll() -> None:
-        while True:
-            try:
-                take(ctrl_q.get_nowait())
-            except queue.Empty:
-                break
-        for n in sorted(n for n in wanted if n <= produced):
-            wanted.discard(n)
-            unit = ring.get(n)
-            # compacted here, off the training process's critical path
-            state_q.put(("state", w, n, None if unit is None else replace(unit, buffer=_compact(unit.buffer))))
-
-    def put(item) -> None:
-        while True:
-            try:
-                data_q.put(item, timeout=0.005)
-                return
-            except queue.Full:
-                poll()  # the consumer is behind: serve state requests while waiting
-
-    try:
-        while True:
-            poll()
-            step = packer.next_batch(unit, poll)
-            if step is None:
-                break
-            unit, batch, real = step
-            produced += 1
-            ring[produced] = unit
-            for n in [n for n in ring if n < produced - keep and n not in wanted]:
-                del ring[n]
-            poll()  # a prefetched state of this batch goes out before the batch itself
-            put(("batch", produced, batch, real))
-        put(("end", produced))
-        while True:
-            take(ctrl_q.get())
-            poll()
-    except _Stop:
-        pass
-    except BaseException:  # noqa: BLE001 - reported to the main process
-        tb = traceback.format_exc()
-        data_q.put(("error", tb))
-        state_q.put(("error", w, tb))
-
-
-class _WorkerPool:
-    """The read workers of one rank and the bookkeeping of what the training loop consumed."""
-
-    def __init__(self, packer: _Packer, units: list[_Unit], ctx, prefetch_factor: int, timeout: float):
-        self.timeout = timeout
-        self.consumed = [0] * len(units)
-        self.ended = [False] * len(units)
-        self.requested: set[tuple[int, int]] = set()
-        self.state_q = ctx.Queue()
-        self.data_qs = [ctx.Queue(prefetch_factor) for _ in units]
-        self.ctrl_qs = [ctx.Queue() for _ in units]
-        self.procs = [ctx.Process(target=_read_worker, name=f"bcp-read-worker-{w}", daemon=True,
-                                  args=(packer, u, w, self.data_qs[w], self.ctrl_qs[w], self.state_q,
-                                        prefetch_factor + 4))
-                      for w, u in enumerate(units)]
-        for p in self.procs:
-            p.start()
-        self._states: dict[tuple[int, int], Any] = {}
-        self._error: str | None = None
-        self._cond = threading.Condition()
-        # States are received in the background so that a prefetched one is already unpickled when
-        # the checkpoint step asks for it.
-        self._receiver = threading.Thread(target=self._receive, name="bcp-loader-states", daemon=True)
-        self._receiver.start()
-
-    def _receive(self) -> None:
-        while True:
-            msg = self.state_q.get()
-            if msg is None:
-                return
-            with self._cond:
-                if msg[0] == "error":
-                    self._error = f"read worker {msg[1]} failed:\n{msg[2]}"
-                else:
-                    self._states[(msg[1], msg[2])] = msg[3]
-                self._cond.notify_all()
-
-    def _check(self, w: int) -> None:
-        if self._error:
-            raise ReadWorkerError(self._error)
-        if not self.procs[w].is_alive():
-            raise ReadWorkerError(f"read worker {w} exited with code {self.procs[w].exitcode}")
-
-    def get(self, w: int):
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                msg = self.data_qs[w].get(timeout=0.5)
-            except queue.Empty:
-                self._check(w)
-                if time.monotonic() > deadline:
-                    raise ReadWorkerError(f"read worker {w} produced nothing for {self.timeout}s") from None
-                continue
-            if msg[0] == "error":
-                raise ReadWorkerError(f"read worker {w} failed:\n{msg[1]}")
-            return msg
-
-    def request(self, w: int, n: int) -> None:
-        if (w, n) not in self.requested:
-            self.requested.add((w, n))
-            self.ctrl_qs[w].put(("state", n))
-
-    def prune(self, w: int, below: int) -> None:
-        """Forget prepared states of worker w before batch `below` (checkpoint steps that were skipped)."""
-        with self._cond:
-            for key in [k for k in self._states if k[0] == w and k[1] < below]:
-                del self._states[key]
-        self.requested -= {k for k in self.requested if k[0] == w and k[1] < below}
-
-    def take_state(self, w: int, n: int) -> _Unit:
-        deadline = time.monotonic() + self.timeout
-        with self._cond:
-            while (w, n) not in self._states:
-                self._check(w)
-                if time.monotonic() > deadline:
-                    raise ReadWorkerError(f"read worker {w} did not report its state after batch {n} "
-                                          f"within {self.timeout}s")
-                self._cond.wait(0.5)
-            unit = self._states.pop((w, n))
-        self.requested.discard((w, n))
-        if unit is None:
-            raise ReadWorkerError(f"read worker {w} no longer holds its state after batch {n}")
-        return unit
-
-    def close(self) -> None:
-        for q in self.ctrl_qs:
-            q.put(("stop",))
-        for p in self.procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-        self.state_q.put(None)
-        self._receiver.join(timeout=5)
-        for q in (*self.data_qs, *self.ctrl_qs, self.state_q):
-            q.close()
-            q.cancel_join_thread()
-
-
 # ----------------------------------------------------------------------------- the reference loader
 
 class PackedTokenLoader(ReshardableLoader):
@@ -389,7 +227,7 @@ class PackedTokenLoader(ReshardableLoader):
         self._packer = _Packer([sources[n] for n in self.names], [len(sources[n]) for n in self.names], ws,
                                seq_len, batch_size, self.seed, self.shuffle, eos_id, pad_id)
         self._generation = 0  # how often the units were split/merged; seeds the new units' streams
-        self._pool: _WorkerPool | None = None
+        self._pool: ReadWorkerPool | None = None
         # per worker state collected: asked for ahead of the checkpoint step, or only when it came
         self.stats = {"prefetched": 0, "on_demand": 0, "last_state_wait_s": 0.0}
         self._yielded = 0  # batches yielded since construction or restore: the prefetch schedule's clock
@@ -431,7 +269,7 @@ class PackedTokenLoader(ReshardableLoader):
         if self._pool is None:
             if all(u.exhausted for u in self._units):
                 raise StopIteration
-            self._pool = _WorkerPool(self._packer, self._units, self._ctx, self.prefetch_factor, self.timeout)
+            self._pool = ReadWorkerPool(self._packer, self._units, self._ctx, self.prefetch_factor, self.timeout)
             self._prefetch_next()
         pool = self._pool
         while not all(pool.ended):
