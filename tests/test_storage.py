@@ -470,8 +470,16 @@ def test_memory_retire_keeps_one_checkpoints_files_for_the_next_writes(tmp_path,
     assert outside.read_bytes() == b"keep" and (top / "tiers" / "step_2" / "data" / "c").read_bytes() == b"zzz"
     assert not (top / "tiers" / "step_2" / "data" / "c").is_symlink()
 
+    # what a retirer that ended between its two steps left goes too (not what a live process holds)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = top / bst.base.temp_name(".spare").replace(f".{os.getpid()}.", f".{int(gone.stdout)}.")
+    held = top / bst.base.temp_name(".spare")
+    for d in (left, held):
+        d.mkdir()
+        (d / "a").write_bytes(b"old")
     root.retire("step_2")  # the spares of step 1 (the link) go: one retired checkpoint's files at most
     assert sorted(os.listdir(top / ".spare")) == ["a", "c"] and outside.read_bytes() == b"keep"
+    assert not left.exists() and held.exists()
     bst.storage_for("memory://job").remove("")
     assert not top.exists()
 

@@ -13,7 +13,7 @@ import os
 import stat
 
 from ..errors import StorageError
-from .base import FileWriter, Storage, register_storage, temp_name
+from .base import FileWriter, Storage, parse_temp_name, register_storage, temp_name, temp_writer_gone
 from .local import DIR_NOFOLLOW, LocalStorage, _LocalWriter, _remove_tree
 
 log = logging.getLogger("bcp")
@@ -121,7 +121,11 @@ class MemoryStorage(LocalStorage):
             old = temp_name(SPARES)  # renamed away first: a writer taking one meanwhile makes a new file
             with contextlib.suppress(FileNotFoundError):
                 os.rename(SPARES, old, src_dir_fd=top, dst_dir_fd=top)
-            _remove_tree(top, old, f"memory://{self.parts[0]}/{SPARES}", failed)
+            # and what a process that ended between that rename and the removal left
+            stale = [n for n in os.listdir(top) if n.startswith(f"{SPARES}.") and n != old
+                     and (t := parse_temp_name(n)) is not None and temp_writer_gone(t)]
+            for name in [old, *stale]:
+                _remove_tree(top, name, f"memory://{self.parts[0]}/{name}", failed)
             if failed:  # they stay in RAM: say so (the checkpoint's removal goes on)
                 log.warning("bcp: could not remove the spare files of an earlier checkpoint: %s", "; ".join(failed[:3]))
             try:
