@@ -8,7 +8,7 @@ The state is bench/train_loop.py's DDP-transformer loop (DDP over `--tf-layers`
 (`BCP_LOCAL_WORLD_SIZE=1`, a memory directory of its own under /dev/shm), so every replica crosses
 between ranks over gloo, as it crosses between machines on a cluster.
 
-- step: the loop with no checkpoint, then with `bcp.save(Tiers(replicas=1, persist_every=10),
+- step: the loop with no checkpoint, then with `bcp.save(Tiers(replicas=--replicas (1), persist_every=10),
   step=s, async_save=True)` after every optimizer step (where the Trainer and ModelCheckpoint ask):
   the mean of later steps (save call included) over the mean normal step, and the first checkpoint
   step's (planning, fresh staging memory). Also the bytes each step moved per node: written to its
@@ -48,9 +48,9 @@ def _as_node(root: str) -> None:
     os.makedirs(os.environ["BCP_MEMORY_DIR"], exist_ok=True)
 
 
-def _tiers(root: str, **kw):
+def _tiers(root: str, replicas: int = 1):
     import bcp_core as bcp
-    return bcp.Tiers("memory://bench", durable=os.path.join(root, "durable"), replicas=1, persist_every=10, **kw)
+    return bcp.Tiers("memory://bench", durable=os.path.join(root, "durable"), replicas=replicas, persist_every=10)
 
 
 def _step_job(system: str, root: str, a: dict) -> dict:
@@ -71,7 +71,7 @@ def _step_job(system: str, root: str, a: dict) -> dict:
     tiers = None
     if system == "tiers":
         _as_node(root)
-        tiers = _tiers(root)
+        tiers = _tiers(root, a["replicas"])
     handles, times = [], []
     dist.barrier()
     for s in range(1, a["steps"] + 1):
@@ -186,6 +186,7 @@ def main() -> int:
     ap.add_argument("--tf-batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--replicas", type=int, default=1, help="of the step measurement (0: the memory write alone)")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--dir", default=None, help="for disk checkpoints (default: a temp dir); memory under /dev/shm")
     ap.add_argument("--parts", default="step,recovery", help="which measurements: step, recovery")
