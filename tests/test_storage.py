@@ -437,7 +437,7 @@ def test_memory_storage_is_shared_tmpfs(tmp_path, monkeypatch):
 def test_memory_retire_keeps_one_checkpoints_files_for_the_next_writes(tmp_path, monkeypatch):
     """A retired checkpoint's data files are overwritten by the next writes of their names (their
     tmpfs pages reused), cut to the new size; only the last retired checkpoint's are kept; a spare
-    that is a link is never written through; removing the name frees everything."""
+    that is a link, or has another link, is never written through; removing the name frees everything."""
     monkeypatch.setenv("BCP_MEMORY_DIR", str(tmp_path))
     root = bst.storage_for("memory://job/tiers")
     top = tmp_path / "bcp-memory" / "job"
@@ -466,6 +466,11 @@ def test_memory_retire_keeps_one_checkpoints_files_for_the_next_writes(tmp_path,
     outside = tmp_path / "outside"
     outside.write_bytes(b"keep")
     os.symlink(outside, top / ".spare" / "c")
+    linked = tmp_path / "linked"  # a spare linked elsewhere too keeps its bytes
+    linked.write_bytes(b"view")
+    os.link(linked, top / ".spare" / "d")
+    write(two, "data/d", b"w" * 3)
+    assert linked.read_bytes() == b"view" and (top / "tiers" / "step_2" / "data" / "d").read_bytes() == b"www"
     write(two, "data/c", b"z" * 3)
     assert outside.read_bytes() == b"keep" and (top / "tiers" / "step_2" / "data" / "c").read_bytes() == b"zzz"
     assert not (top / "tiers" / "step_2" / "data" / "c").is_symlink()
@@ -478,7 +483,7 @@ def test_memory_retire_keeps_one_checkpoints_files_for_the_next_writes(tmp_path,
         d.mkdir()
         (d / "a").write_bytes(b"old")
     root.retire("step_2")  # the spares of step 1 (the link) go: one retired checkpoint's files at most
-    assert sorted(os.listdir(top / ".spare")) == ["a", "c"] and outside.read_bytes() == b"keep"
+    assert sorted(os.listdir(top / ".spare")) == ["a", "c", "d"] and outside.read_bytes() == b"keep"
     assert not left.exists() and held.exists()
     bst.storage_for("memory://job").remove("")
     assert not top.exists()

@@ -198,13 +198,15 @@ class _LocalWriter(FileWriter):
     def _take(self, spare_dir: int, spare: str) -> bool:
         """Make the file `spare` of directory `spare_dir` this writer's temporary file, to be
         overwritten (MemoryStorage.retire says why). False if it is not there (another writer took
-        it) or not a plain file: then a new file is made."""
+        it), not a plain file, or linked elsewhere too (a recovery view a crash left: its bytes must
+        not change): then a new file is made."""
         try:
             os.rename(spare, self.tmp, src_dir_fd=spare_dir, dst_dir_fd=self.dir_fd)
         except OSError:
             return False
         try:
-            if stat.S_ISREG(os.stat(self.tmp, dir_fd=self.dir_fd, follow_symlinks=False).st_mode):
+            st = os.stat(self.tmp, dir_fd=self.dir_fd, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
                 self.fd = os.open(self.tmp, os.O_WRONLY | os.O_NOFOLLOW, dir_fd=self.dir_fd)
                 return True
         except OSError:
