@@ -435,9 +435,10 @@ def test_memory_storage_is_shared_tmpfs(tmp_path, monkeypatch):
 
 
 def test_memory_retire_keeps_one_checkpoints_files_for_the_next_writes(tmp_path, monkeypatch):
-    """A retired checkpoint's data files are overwritten by the next writes of their names (their
-    tmpfs pages reused), cut to the new size; only the last retired checkpoint's are kept; a spare
-    that is a link, or has another link, is never written through; removing the name frees everything."""
+    """A retired checkpoint's data files are overwritten by the next save's files of the same kind
+    (rank and index, whatever the save: their tmpfs pages reused), cut to the new size; only the
+    last retired checkpoint's are kept; a spare that is a link, or has another link, is never
+    written through; removing the name frees everything."""
     monkeypatch.setenv("BCP_MEMORY_DIR", str(tmp_path))
     root = bst.storage_for("memory://job/tiers")
     top = tmp_path / "bcp-memory" / "job"
@@ -449,20 +450,21 @@ def test_memory_retire_keeps_one_checkpoints_files_for_the_next_writes(tmp_path,
 
     one = root.child("step_1")
     one.makedirs("data")
-    write(one, "data/a", b"a" * 4096)
-    write(one, "data/b", b"b" * 100)
+    write(one, "data/c0ffee-1-r0_0.safetensors", b"a" * 4096)  # named as engine/write.py names them
+    write(one, "data/c0ffee-1-r1_0.safetensors", b"b" * 100)
+    (top / "tiers" / "step_1" / "data" / bst.base.temp_name("c0ffee-1-r2_0.safetensors")).write_bytes(b"unfinished")
     one.write_atomic("metadata.json", b"{}")
-    inode = os.stat(top / "tiers" / "step_1" / "data" / "a").st_ino
+    inode = os.stat(top / "tiers" / "step_1" / "data" / "c0ffee-1-r0_0.safetensors").st_ino
     root.retire("step_1")
-    assert root.listdir() == [] and sorted(os.listdir(top / ".spare")) == ["a", "b"]
+    assert root.listdir() == [] and sorted(os.listdir(top / ".spare")) == ["r0_0.safetensors", "r1_0.safetensors"]
 
     two = root.child("step_2")
     two.makedirs("data")
-    write(two, "data/a", b"x" * 10)  # shorter than the spare: cut to size
-    got = top / "tiers" / "step_2" / "data" / "a"
+    write(two, "data/c0ffee-2-r0_0.safetensors", b"x" * 10)  # shorter than the spare: cut to size
+    got = top / "tiers" / "step_2" / "data" / "c0ffee-2-r0_0.safetensors"
     assert got.read_bytes() == b"x" * 10 and os.stat(got).st_ino == inode
-    write(two, "data/b", b"y" * 50, close=False)  # an aborted write consumes its spare, leaves nothing
-    assert os.listdir(top / "tiers" / "step_2" / "data") == ["a"] and os.listdir(top / ".spare") == []
+    write(two, "data/c0ffee-2-r1_0.safetensors", b"y" * 50, close=False)  # an aborted write takes its spare
+    assert os.listdir(top / "tiers" / "step_2" / "data") == [got.name] and os.listdir(top / ".spare") == []
     outside = tmp_path / "outside"
     outside.write_bytes(b"keep")
     os.symlink(outside, top / ".spare" / "c")
@@ -483,7 +485,7 @@ def test_memory_retire_keeps_one_checkpoints_files_for_the_next_writes(tmp_path,
         d.mkdir()
         (d / "a").write_bytes(b"old")
     root.retire("step_2")  # the spares of step 1 (the link) go: one retired checkpoint's files at most
-    assert sorted(os.listdir(top / ".spare")) == ["a", "c", "d"] and outside.read_bytes() == b"keep"
+    assert sorted(os.listdir(top / ".spare")) == ["c", "d", "r0_0.safetensors"] and outside.read_bytes() == b"keep"
     assert not left.exists() and held.exists()
     bst.storage_for("memory://job").remove("")
     assert not top.exists()

@@ -133,8 +133,9 @@ def _steps(mem) -> dict[int, set[str]]:
 
 
 def test_replicas_retention_drain_and_recovery_after_a_lost_node(tmp_path, monkeypatch):
-    """2 nodes x 2 ranks, k = 1: each node holds every file of its newest 2 steps; steps 2 and 4 are
-    drained into ordinary checkpoints. Node 1 lost: 3 ranks on 3 nodes (two of them empty) load step
+    """2 nodes x 2 ranks, k = 1: each node holds every file of its newest 2 steps (steps 3 to 5 write
+    into the files of the steps retired before them) and the files of the one retired last; steps 2
+    and 4 are drained into ordinary checkpoints. Node 1 lost: 3 ranks on 3 nodes (two of them empty) load step
     5 from node 0's memory, every row bit for bit, in parts of 4 KiB."""
     base = str(tmp_path)
     monkeypatch.setenv("BCP_LOCAL_WORLD_SIZE", "2")
@@ -145,6 +146,9 @@ def test_replicas_retention_drain_and_recovery_after_a_lost_node(tmp_path, monke
         assert mem0[step] == mem1[step] and len(mem0[step]) == 4  # every rank's file on both nodes
     for node in ("mem0", "mem1"):
         assert not [n for n in os.listdir(tmp_path / node / "bcp-memory" / "job") if n.startswith(".bcp-")]
+        # the files of the step retired last (3), which the next step's writes would overwrite: one step's
+        assert set(os.listdir(tmp_path / node / "bcp-memory" / "job" / ".spare")) == \
+            {f.rsplit("-", 1)[1] for f in mem0[5]}  # named by rank and index only (storage/memory.py)
     durable = str(tmp_path / "durable")
     assert [e.step for e in bcp.layout.list_checkpoints(durable) if e.complete] == [2, 4]
     bcp_verify(durable)

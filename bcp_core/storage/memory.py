@@ -22,6 +22,29 @@ log = logging.getLogger("bcp")
 SPARES = ".spare"
 
 
+def spare_key(name: str) -> str:
+    """What a data file's name says of its kind, less the save it belongs to: bcp names them
+    `<token>-<save number>-r<rank>_<k>.safetensors` (engine/write.py), so rank 3's first file of any
+    save of the job is `r3_0.safetensors`, and is about as large from save to save."""
+    return name.rsplit("-", 1)[-1]
+
+
+def _by_key(parent: int, spares: str) -> None:
+    """Each spare named by its `spare_key`; a temporary file (an unfinished write) goes."""
+    fd = os.open(spares, DIR_NOFOLLOW, dir_fd=parent)
+    try:
+        for name in os.listdir(fd):
+            try:
+                if parse_temp_name(name) is not None:
+                    os.unlink(name, dir_fd=fd)
+                elif spare_key(name) != name:
+                    os.rename(name, spare_key(name), src_dir_fd=fd, dst_dir_fd=fd)
+            except OSError:
+                pass  # left as it is: never taken, removed with these spares
+    finally:
+        os.close(fd)
+
+
 def memory_dir() -> str:
     """Where `memory://` checkpoints live: `bcp-memory` in $BCP_MEMORY_DIR, else in /dev/shm (tmpfs:
     RAM, shared by processes). It is made if missing; it must be this user's directory (not a link)
@@ -98,23 +121,24 @@ class MemoryStorage(LocalStorage):
         return os.path.join(self.local_root, *relpath.split("/")) if relpath else self.local_root
 
     def open_writer(self, relpath: str) -> FileWriter:
-        """As a local file's, but a spare of the same name (`retire`) is overwritten if there is one."""
+        """As a local file's, but a spare of the same kind (`retire`) is overwritten if there is one."""
         dir_fd, name = self._parent(relpath)
         spares = self._spares()
         try:
             return _LocalWriter(dir_fd, name, self.join(relpath), self.fsync, self.FILE_MODE,
-                                spare=None if spares is None else (spares, name))
+                                spare=None if spares is None else (spares, spare_key(name)))
         finally:
             if spares is not None:
                 os.close(spares)
 
     def retire(self, relpath: str) -> None:
         """Remove the checkpoint directory `relpath`, keeping its data files as spares that the next
-        writes of the same names (a newer checkpoint's, `open_writer`) overwrite: a write into a
-        tmpfs file's existing pages costs about half of one that allocates and zeroes new pages (a
-        tiered save every step writes and receives the same files step after step). The spares of
-        an earlier call go first, so memory holds one retired checkpoint's files at most; removing
-        the NAME (`storage_for("memory://NAME").remove("")`) frees them with the rest."""
+        writes of files of the same kind (`spare_key`: a newer checkpoint's, `open_writer`)
+        overwrite: a write into a tmpfs file's existing pages costs about half of one that
+        allocates and zeroes new pages (a tiered save every step writes and receives the same files
+        step after step). The spares of an earlier call go first, so memory holds one retired
+        checkpoint's files at most; removing the NAME (`storage_for("memory://NAME").remove("")`)
+        frees them with the rest."""
         top = os.open(os.path.join(self.base, self.parts[0]), DIR_NOFOLLOW)  # memory://NAME
         try:
             failed: list[str] = []
@@ -135,6 +159,7 @@ class MemoryStorage(LocalStorage):
             if data is not None:
                 try:
                     os.rename(name, SPARES, src_dir_fd=data, dst_dir_fd=top)
+                    _by_key(top, SPARES)
                 except OSError:
                     pass  # no data directory, or not one: removed below with the rest
                 finally:
