@@ -108,6 +108,8 @@ def pretrain(release: str, workdir: str, *flags: str, fmt: str = "torch_dist", s
     # TORCH_ELASTIC_SHUTDOWN_TIMEOUT: the grace torchrun gives its workers after a SIGTERM before it
     # kills them (30 s by default; a loaded machine may take longer to write the checkpoint)
     env = {"OMP_NUM_THREADS": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(LAUNCH_TIMEOUT)}
+    if device == "cuda":  # cuBLAS's reductions in a fixed order: two launches compute the same bits
+        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     start = time.monotonic()
     job = Job("megatron_lm_pretrain.py", ranks, *launcher, "--", *argv, env=env)
     if sigterm_after is not None:
