@@ -6,10 +6,10 @@
 #     bash bench/gpu_check.sh --print-wheels  the wheels it installs (bench/fetch_gpu_wheels.sh fetches them)
 #
 # Without network: installs the wheels carried in .whl/ and bcp from this working tree, runs
-# tests/test_cuda.py, tests/test_device_integrations.py, tests/test_megatron_lm_device.py (Megatron-LM's
-# tree carried in .whl/megatron_lm) and tests/test_cuda_deepspeed.py (a GPU
+# tests/test_cuda_deepspeed.py, tests/test_megatron_lm_device.py (Megatron-LM's tree carried in
+# .whl/megatron_lm), tests/test_device_integrations.py and tests/test_cuda.py (a GPU
 # torch cannot see is a failure there), bench/gpu_integrations.py (the first checkpoint step
-# through each integration) and bench/gpu.py (bcp against DCP, the floors) within BCP_GPU_CHECK_S seconds (480), and writes into
+# through each integration) and bench/gpu.py (bcp against DCP, the floors) within BCP_GPU_CHECK_S seconds (560), and writes into
 # OUT: summary.txt, env.txt, pytest.txt, pytest_junit.xml, bench_integrations.json,
 # bench_integrations.txt, bench_gpu.json, bench_gpu.txt. Exit status 0 only if the tests and both
 # benches passed.
@@ -24,7 +24,7 @@ TESTS_S=${BCP_GPU_TESTS_S:-330}   # the tests at most (0: no tests)
 INTEGRATIONS_S=${BCP_GPU_INTEGRATIONS_S:-80}  # the integrations' bench at most (0: none); bench/gpu.py gets the rest
 BENCH_GIB=${BCP_GPU_GIB:-4}       # state sizes of bench/gpu.py, smallest first (BCP_GPU_SYSTEMS: its systems, bcp,dcp)
 # the files whose cuda tests have not all passed on a GPU yet first, so a run cut short still tells
-TEST_FILES=${BCP_GPU_TEST_FILES:-tests/test_cuda_deepspeed.py tests/test_device_integrations.py tests/test_megatron_lm_device.py tests/test_cuda.py}
+TEST_FILES=${BCP_GPU_TEST_FILES:-tests/test_cuda_deepspeed.py tests/test_megatron_lm_device.py tests/test_device_integrations.py tests/test_cuda.py}
 
 if [ "${1:-}" = --print-wheels ]; then
     echo "$WHEELS"

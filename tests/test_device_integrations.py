@@ -28,7 +28,7 @@ HAS_CUDA = torch.cuda.is_available()
 DEVICES = [pytest.param("cpu", id="cpu", marks=pytest.mark.slow),
            pytest.param("cuda", id="cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
                not HAS_CUDA, reason="needs a CUDA device (bench/gpu_check.sh runs these on a GPU)")])]
-FRAMEWORKS = ["hf", "accelerate", "lightning"]
+FRAMEWORKS = ["lightning", "hf", "accelerate"]  # the one not yet passed on a GPU first (bench/gpu_check.sh)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs"))
 from device_integration import HF_MODEL, SAVE_AT, STEPS, mlp  # noqa: E402 - tests/jobs/device_integration.py
