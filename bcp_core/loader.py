@@ -81,17 +81,19 @@ def load_checkpoint(path: str | os.PathLike, state: dict, framework: str = "auto
                     process_group=None, allow_pickle: bool = False, verify_checksums: bool = True,
                     num_threads: int = 4, share_reads: bool | None = None,
                     timeout: timedelta = DEFAULT_TIMEOUT, mapping: Any = None,
-                    prefetch: Callable[[tuple, BaseException | None], None] | None = None) -> LoadResult:
+                    prefetch: Callable[[tuple, BaseException | None], None] | None = None,
+                    metadata: CheckpointMetadata | None = None) -> LoadResult:
     """`bcp_core.load` (see there). `prefetch(items, failure)`, if given, is called on every rank once
     the read items are planned (with this rank's planning error, if any), before a byte is read:
     a tiered load brings the ranges they need from other nodes then (tiers/recovery.py). It raises
-    on every rank if any rank failed."""
+    on every rank if any rank failed. `metadata`: the checkpoint's, already parsed on every rank
+    (a tiered load's), so it is not read and parsed again."""
     adapter = resolve_framework(state, framework)
     shared = group_size(process_group) > 1 and (share_reads if share_reads is not None else (
         adapter.loads_together or worth_sharing(storage_for(path), process_group, state)))
     if not shared:
         st = resolve(path)
-        md = read_metadata(st)
+        md = metadata if metadata is not None else read_metadata(st)
         reads = VerifiedReads(st, md.files, md.checksum_block_bytes, verify_checksums)
         try:
             plan, targets, values, result = _prepare(st, md, state, adapter, strict, process_group, allow_pickle,
@@ -111,9 +113,11 @@ def load_checkpoint(path: str | os.PathLike, state: dict, framework: str = "auto
         failure: Exception | None = None
         reads = VerifiedReads(st, (), CHECKSUM_BLOCK_BYTES, verify_checksums)
         try:
-            with metrics.phase("metadata"):
-                md = parse_metadata(st, comm.node_broadcast(lambda: read_metadata_file(st), f"{op}/metadata",
-                                                            "the metadata", timeout))
+            md = metadata
+            if md is None:
+                with metrics.phase("metadata"):
+                    md = parse_metadata(st, comm.node_broadcast(lambda: read_metadata_file(st), f"{op}/metadata",
+                                                                "the metadata", timeout))
             reads = VerifiedReads(st, md.files, md.checksum_block_bytes, verify_checksums)
             plan, targets, values, result = _prepare(st, md, state, adapter, strict, process_group, allow_pickle,
                                                      verify_checksums, mapping)

@@ -243,7 +243,8 @@ def _load_from_memory(at: Located, state: dict, framework: str, strict: bool, al
 
         result = load_checkpoint(view.root, state, framework, strict, process_group=at.process_group,
                                  allow_pickle=allow_pickle, verify_checksums=verify_checksums,
-                                 num_threads=num_threads, share_reads=True, timeout=timeout, prefetch=prefetch)
+                                 num_threads=num_threads, share_reads=True, timeout=timeout, prefetch=prefetch,
+                                 metadata=md)
         result.path = step.root
         return result
     finally:
