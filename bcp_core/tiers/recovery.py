@@ -217,9 +217,10 @@ def _load_from_memory(at: Located, state: dict, framework: str, strict: bool, al
     deadline = time.monotonic() + timeout.total_seconds()
     node_ranks = nodes_of(comm.nodes)
     error: BaseException | None = None
+    lacked = False  # whether this node's view has files the transfers fill
     try:
         if comm.rank in comm.node_leaders:
-            _make_view(root, view, name, choice, at.md_bytes)
+            lacked = _make_view(root, view, name, choice, at.md_bytes)
     except Exception as e:  # noqa: BLE001 - the load below fails on every rank, reading what is not there
         error = e
     try:
@@ -254,7 +255,10 @@ def _load_from_memory(at: Located, state: dict, framework: str, strict: bool, al
             log.warning("bcp: rank %d: waiting for the other ranks to finish recovering: %s", comm.rank, e)
         if comm.rank in comm.node_leaders:
             try:
-                root.remove(choice.view)
+                # with files received into it, retired rather than freed: they become the spares the
+                # node's next save writes into (MemoryStorage.retire), and freeing them is not waited
+                # for here; a view of links only is removed (the node's spares stay)
+                (root.retire if lacked else root.remove)(choice.view)
             except Exception as e:  # noqa: BLE001 - the load's own outcome is what the caller needs
                 log.warning("bcp: could not remove the recovery view %s: %s", view.root, e)
 
@@ -462,26 +466,29 @@ def _tag(op: str, kind: int) -> int:
     return int(op.split("/")[0][1:]) * 4 + kind
 
 
-def _make_view(root: Storage, view: Storage, name: str, choice: Choice, md: bytes | None) -> None:
+def _make_view(root: Storage, view: Storage, name: str, choice: Choice, md: bytes | None) -> bool:
     """A node leader: the step as this node's ranks will load it. The metadata; each file the node
     holds, linked; each file it lacks, a sparse file of its size (holes read as zeros; the ranges the
     node needs are written into it by the transfers, and a load reads nothing else, every block
-    verified)."""
+    verified). Whether it lacked any."""
     view.makedirs("data")
     if md is None:  # not relayed to the leader (it is, to every rank): cannot happen
         raise BCPError("the step's metadata did not reach this node")
     view.write_atomic(METADATA_FILE, md)
     step = root.child(name)
+    lacked = False
     for f, size in zip(choice.files, choice.sizes):
         target = view._path(f)
         if step.exists(f) and step.size(f) == size:
             os.link(step._path(f), target, follow_symlinks=False)
             continue
+        lacked = True
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(fd, size)
         finally:
             os.close(fd)
+    return lacked
 
 
 def _transfer(comm: Comm, step: Storage, view: Storage, choice: Choice, fetches: Fetches, deadline: float, op: str,
