@@ -8,8 +8,8 @@ The state is bench/train_loop.py's DDP-transformer loop (DDP over `--tf-layers`
 (`BCP_LOCAL_WORLD_SIZE=1`, a memory directory of its own under /dev/shm), so every replica crosses
 between ranks over gloo, as it crosses between machines on a cluster.
 
-- step: the loop with no checkpoint, then with `bcp.save(Tiers(replicas=--replicas (1), persist_every=10),
-  step=s, async_save=True)` after every optimizer step (where the Trainer and ModelCheckpoint ask):
+- step: the loop with no checkpoint, then with `bcp.save(Tiers(replicas=R, persist_every=10),
+  step=s, async_save=True)` (R: `--replicas`, 1) after every optimizer step (where the Trainer and ModelCheckpoint ask):
   the mean of later steps (save call included) over the mean normal step, and the first checkpoint
   step's (planning, fresh staging memory). Also the bytes each step moved per node: written to its
   memory, sent to its replica node, and drained to disk per persisted step.

@@ -146,9 +146,9 @@ class _LocalWriter(FileWriter):
     """A file written at increasing offsets: directly to the device if it can, else in parallel chunks.
 
     The bytes go to a new temporary file in the target's directory (`dir_fd`, owned by the writer
-    from now on), or to a `spare` file renamed to that temporary name and overwritten (buffered
-    writes only; MemoryStorage.retire); `close` renames it into place, `abort` deletes it. Each
-    descriptor is closed once.
+    from now on), or to one the caller made and opened (`adopt`: its temporary name and descriptor,
+    an existing file to overwrite, cut to size at close; MemoryStorage's spares); `close` renames it
+    into place, `abort` deletes it. Each descriptor is closed once.
 
     Direct I/O: the bytes are copied into a page-aligned buffer (`_ALIGNED`); full buffers are
     written by threads of the writer's own (up to `IN_FLIGHT` at once) while the next one fills, so
@@ -162,17 +162,14 @@ class _LocalWriter(FileWriter):
     """
 
     def __init__(self, dir_fd: int, name: str, shown: str, fsync: bool, mode: int = 0o644,
-                 spare: tuple[int, str] | None = None):
+                 adopt: tuple[str, int] | None = None):
         self.dir_fd, self.name, self.path, self.fsync = dir_fd, name, shown, fsync
-        self.tmp = temp_name(name)
-        self.fd: int | None = None
+        self.tmp, self.fd = adopt if adopt is not None else (temp_name(name), None)
+        self.reused = adopt is not None  # an existing file: cut to size at close
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
         # direct I/O for durable files only: memory:// (no fsync) lives in the page cache by design
-        self.direct = fsync and CONFIG.direct_io and hasattr(os, "O_DIRECT")
-        self.reused = False  # the file was a spare (`spare`): cut to size at close
+        self.direct = fsync and CONFIG.direct_io and hasattr(os, "O_DIRECT") and not self.reused
         try:
-            if spare is not None and not self.direct:
-                self.reused = self._take(*spare)
             if self.direct:
                 try:
                     self.fd = os.open(self.tmp, flags | os.O_DIRECT, mode, dir_fd=dir_fd)
@@ -194,26 +191,6 @@ class _LocalWriter(FileWriter):
         self.fill = 0
         self.inflight: list[tuple[Future, mmap.mmap, int, int]] = []
         self.pool: ThreadPoolExecutor | None = None
-
-    def _take(self, spare_dir: int, spare: str) -> bool:
-        """Make the file `spare` of directory `spare_dir` this writer's temporary file, to be
-        overwritten (MemoryStorage.retire says why). False if it is not there (another writer took
-        it), not a plain file, or linked elsewhere too (a recovery view a crash left: its bytes must
-        not change): then a new file is made."""
-        try:
-            os.rename(spare, self.tmp, src_dir_fd=spare_dir, dst_dir_fd=self.dir_fd)
-        except OSError:
-            return False
-        try:
-            st = os.stat(self.tmp, dir_fd=self.dir_fd, follow_symlinks=False)
-            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
-                self.fd = os.open(self.tmp, os.O_WRONLY | os.O_NOFOLLOW, dir_fd=self.dir_fd)
-                return True
-        except OSError:
-            pass
-        with contextlib.suppress(OSError):
-            os.unlink(self.tmp, dir_fd=self.dir_fd)
-        return False
 
     def write(self, data: memoryview) -> None:
         self._write(data, in_place=False)

@@ -123,13 +123,37 @@ class MemoryStorage(LocalStorage):
     def open_writer(self, relpath: str) -> FileWriter:
         """As a local file's, but a spare of the same kind (`retire`) is overwritten if there is one."""
         dir_fd, name = self._parent(relpath)
-        spares = self._spares()
         try:
-            return _LocalWriter(dir_fd, name, self.join(relpath), self.fsync, self.FILE_MODE,
-                                spare=None if spares is None else (spares, spare_key(name)))
+            adopt = self._take_spare(dir_fd, name)
+        except BaseException:
+            os.close(dir_fd)
+            raise
+        return _LocalWriter(dir_fd, name, self.join(relpath), self.fsync, self.FILE_MODE, adopt=adopt)
+
+    def _take_spare(self, dir_fd: int, name: str) -> tuple[str, int] | None:
+        """The spare of `name`'s kind renamed to a temporary name in `dir_fd` and opened for writing:
+        (that name, its descriptor). None if there is none (or another writer took it), or it is not
+        a plain file or has another link (a recovery view a crash left: its bytes must not change):
+        then the writer makes a new file."""
+        spares = self._spares()
+        if spares is None:
+            return None
+        tmp = temp_name(name)
+        try:
+            os.rename(spare_key(name), tmp, src_dir_fd=spares, dst_dir_fd=dir_fd)
+        except OSError:
+            return None
         finally:
-            if spares is not None:
-                os.close(spares)
+            os.close(spares)
+        try:
+            st = os.stat(tmp, dir_fd=dir_fd, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+                return tmp, os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        return None
 
     def retire(self, relpath: str) -> None:
         """Remove the checkpoint directory `relpath`, keeping its data files as spares that the next
