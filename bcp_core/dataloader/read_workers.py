@@ -2,8 +2,8 @@
 ahead of the training loop and reports its unit's state after any batch asked for, so that a
 checkpoint never waits for them.
 
-A worker needs from the loader its packer (`next_batch`) and the unit state it starts from
-(`compacted` to report it), both pickled into the process. Messages: batches on a bounded queue per worker, state
+A worker needs from the loader a `Packer` (what it packs with) and its `Unit` (the state it starts
+from), both pickled into the process. Messages: batches on a bounded queue per worker, state
 requests on a control queue per worker, states (and errors) on one queue the pool receives in the
 background. Every wait is bounded by the loader's timeout; a worker that died or went silent
 raises `ReadWorkerError` naming it.
@@ -15,13 +15,21 @@ import queue
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..errors import ReadWorkerError
 
-if TYPE_CHECKING:  # packed.py imports this module
-    from .packed import _Packer as Packer
-    from .packed import _Unit as Unit
+
+class Unit(Protocol):
+    """A read unit's state, immutable (packed.py's `_Unit`)."""
+
+    def compacted(self) -> Unit: ...
+
+
+class Packer(Protocol):
+    """What a worker packs with (packed.py's `_Packer`)."""
+
+    def next_batch(self, unit: Unit, between_docs=None) -> tuple[Unit, Any, int] | None: ...
 
 
 class _Stop(Exception):
