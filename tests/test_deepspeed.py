@@ -85,6 +85,7 @@ def _damaged_deepspeed_file_is_refused(job, tmp_path) -> None:
     assert all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
 
 
+@pytest.mark.slow  # 70 s: the default tier keeps the HF Trainer's ZeRO-3 resume
 @pytest.mark.timeout(900)
 def test_zero_checkpoints_reshard_across_stages_world_sizes_and_frameworks(tmp_path):
     job = _job_module()
