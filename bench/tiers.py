@@ -13,6 +13,11 @@ between ranks over gloo, as it crosses between machines on a cluster.
   the mean of later steps (save call included) over the mean normal step, and the first checkpoint
   step's (planning, fresh staging memory). Also the bytes each step moved per node: written to its
   memory, sent to its replica node, and drained to disk per persisted step.
+- cpu: where a tiered save's CPU goes, without training beside it: the process's CPU time (all
+  threads, `getrusage`) per save of the same state, with the memory write alone (`replicas=0`)
+  and with one replica, and the CPU of the transport alone: this rank's bytes sent to the other
+  rank while it receives as many, over a gloo pair of the same kind, tensor to tensor (the
+  replication's floor here: TCP on the loopback copies every byte into the kernel and out again).
 - recovery: the same state saved (1) to the tiers, loaded on the same nodes (the processes
   restarted, every node's memory survived), then again once node 1's memory is removed (a node
   lost; its replacement's memory is empty: its pieces come from node 0 over the network), (2) with
@@ -103,6 +108,67 @@ def _step_job(system: str, root: str, a: dict) -> dict:
     return out
 
 
+def _process_cpu() -> float:
+    import resource
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _cpu_job(root: str, a: dict) -> dict:
+    """Per save: CPU and wall seconds of tiered saves with 0 and 1 replicas (the mean of the later
+    saves, the first plans), and of the bare exchange of as many bytes over gloo."""
+    import threading
+
+    import bcp_core as bcp
+    _as_node(root)
+    model, optim = _model("ddp-transformer", 0, 0, a["d_model"], a["tf_layers"])
+    x = torch.randn(a["tf_batch"], a["seq"], a["d_model"])
+    for _ in range(2):
+        loss = model(x).square().mean()
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        optim.step()
+    state = {"model": model.module, "optimizer": optim}
+    out, written = {}, 0
+    for k in (0, 1):
+        tiers = bcp.Tiers(f"memory://cpu{k}", replicas=k)
+        cpu, wall = [], []
+        for s in range(1, a["saves"] + 1):
+            dist.barrier()
+            c0, t0 = _process_cpu(), time.perf_counter()
+            h = bcp.save(tiers, state, step=s, async_save=True)
+            h.wait()
+            cpu.append(_process_cpu() - c0)
+            wall.append(time.perf_counter() - t0)
+            written = sum(r["bytes"] for r in h.metrics if r["phase"] == "write")
+        out[f"replicas{k}"] = {"cpu_s": _max_all([sum(cpu[1:]) / len(cpu[1:])])[0],
+                               "wall_s": _max_all([sum(wall[1:]) / len(wall[1:])])[0]}
+    # the transport alone: `written` bytes each way between ranks 0 and 1, in the parts replication uses
+    from bcp_core.tiers.transport import PART_BYTES
+    group = dist.new_group([0, 1], backend="gloo")  # (every rank calls it)
+    me, other = dist.get_rank(), 1 - dist.get_rank()
+    if me > 1:
+        return out
+    src = torch.randint(0, 255, (written,), dtype=torch.uint8)
+    dst = torch.empty(written, dtype=torch.uint8)
+    cpu = []
+    for _ in range(3):
+        dist.barrier(group)
+        c0 = _process_cpu()
+
+        def send() -> None:
+            for lo in range(0, written, PART_BYTES):
+                dist.send(src[lo:lo + PART_BYTES], other, group=group, tag=1)
+        sender = threading.Thread(target=send)
+        sender.start()
+        for lo in range(0, written, PART_BYTES):
+            dist.recv(dst[lo:lo + PART_BYTES], other, group=group, tag=1)
+        sender.join()
+        cpu.append(_process_cpu() - c0)
+    out["exchange_alone"] = {"bytes": written, "cpu_s": _max_all([min(cpu)])[0]}
+    return out
+
+
 def _evict(path: str) -> None:
     """Drop the files under `path` from the page cache (clean pages: no root needed)."""
     for d, _, files in os.walk(path):
@@ -189,7 +255,8 @@ def main() -> int:
     ap.add_argument("--replicas", type=int, default=1, help="of the step measurement (0: the memory write alone)")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--dir", default=None, help="for disk checkpoints (default: a temp dir); memory under /dev/shm")
-    ap.add_argument("--parts", default="step,recovery", help="which measurements: step, recovery")
+    ap.add_argument("--saves", type=int, default=6, help="of the cpu measurement")
+    ap.add_argument("--parts", default="step,recovery", help="which measurements: step, recovery, cpu")
     args = ap.parse_args()
     a = vars(args)
     table: dict = {"config": a | {"torch": torch.__version__, "cpus": os.cpu_count()}}
@@ -205,6 +272,12 @@ def main() -> int:
             finally:
                 shutil.rmtree(root, ignore_errors=True)
                 shutil.rmtree(durable, ignore_errors=True)
+        if "cpu" in parts:
+            root = tempfile.mkdtemp(prefix="bcp_tiers_cpu_", dir="/dev/shm")
+            try:
+                runs.setdefault("cpu", []).append(run_ranks(_cpu_job, args.ranks, root, a, name="cpu"))
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
         if "recovery" not in parts:
             continue
         mem_root = tempfile.mkdtemp(prefix="bcp_tiers_rec_", dir="/dev/shm")
@@ -221,6 +294,8 @@ def main() -> int:
         table["step"] = _step_table(runs, mean)
     if "recovery" in parts:
         table["recovery"] = _recovery_table(runs)
+    if "cpu" in parts:
+        table["cpu_per_save"] = _cpu_table(runs["cpu"])
     print(json.dumps(table, indent=2))
     return 0
 
@@ -236,6 +311,18 @@ def _step_table(runs: dict, mean) -> dict:
         "bytes_per_step_per_node": {k: int(v) for k, v in best["bytes_per_step"].items()},
         "drained_bytes_per_persisted_step_per_node": int(best["drained_per_persisted_step"]),
         "runs_ckpt_step_over_normal": [round(mean(r["steps"][2:]) / none, 3) for r in runs["tiers"]],
+    }
+
+
+def _cpu_table(runs: list) -> dict:
+    best = {k: min(r[k]["cpu_s"] for r in runs) for k in ("replicas0", "replicas1", "exchange_alone")}
+    return {
+        "bytes_per_rank": runs[0]["exchange_alone"]["bytes"],
+        "memory_write_cpu_s": round(best["replicas0"], 3),
+        "with_one_replica_cpu_s": round(best["replicas1"], 3),
+        "replication_cpu_s": round(best["replicas1"] - best["replicas0"], 3),
+        "exchange_alone_cpu_s": round(best["exchange_alone"], 3),
+        "wall_s": {k: round(min(r[k]["wall_s"] for r in runs), 3) for k in ("replicas0", "replicas1")},
     }
 
 
