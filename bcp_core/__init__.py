@@ -17,11 +17,10 @@ The map of the package is docs/architecture.md.
 from . import mapping, rng
 from .api import inspect, load, mutating, prepare_save, resolve, save
 from .save_queue import SaveHandle
-from .errors import (BCPError, ChecksumError, CommitCallbackError, CommTimeoutError, FormatVersionError,
-                     IncompleteCheckpointError, KeyMismatchError, MappingError, MetadataError, MissingExtraError,
-                     NotACheckpointError,
-                     PickleNotAllowedError, PlanError, PreviousSaveError, SaveError, ShapeMismatchError, StorageError,
-                     UnsafePathError, UnsupportedValueError)
+from .errors import (BCPError, ChecksumError, CommitCallbackError, CommTimeoutError, DamagedStepError,
+                     FormatVersionError, IncompleteCheckpointError, KeyMismatchError, MappingError, MetadataError,
+                     MissingExtraError, NotACheckpointError, PickleNotAllowedError, PlanError, PreviousSaveError,
+                     SaveError, ShapeMismatchError, StorageError, UnsafePathError, UnsupportedValueError)
 from .loader import LoadResult
 from .metadata import FORMAT_VERSION, CheckpointMetadata, Piece, TensorMeta
 from .preemption import Preemption, handle_preemption
@@ -35,7 +34,7 @@ __all__ = [
     "Preemption", "Tiers",
     "SaveHandle", "LoadResult", "CheckpointMetadata", "TensorMeta", "Piece", "FORMAT_VERSION",
     "Storage", "LocalStorage", "register_storage", "storage_for",
-    "BCPError", "ChecksumError", "CommitCallbackError", "CommTimeoutError", "FormatVersionError",
+    "BCPError", "ChecksumError", "CommitCallbackError", "CommTimeoutError", "DamagedStepError", "FormatVersionError",
     "IncompleteCheckpointError", "KeyMismatchError", "MappingError", "MetadataError", "MissingExtraError",
     "NotACheckpointError",
     "PickleNotAllowedError", "PlanError", "PreviousSaveError", "SaveError", "ShapeMismatchError", "StorageError",

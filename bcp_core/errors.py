@@ -26,7 +26,17 @@ class UnsafePathError(MetadataError):
 
 
 class ChecksumError(BCPError):
-    """Bytes read from storage do not match the recorded checksum."""
+    """Bytes read from storage do not match the recorded checksum. `file`: the data file where this
+    process found them (its path in the checkpoint), where known."""
+
+    def __init__(self, message: str = "", file: str | None = None):
+        super().__init__(message)
+        self.file = file
+
+
+class DamagedStepError(ChecksumError):
+    """A tiered load found a step's copies in memory damaged and set them aside, which left the step
+    incomplete there (`bcp.load` of the tiers then loads the newest whole step)."""
 
 
 class KeyMismatchError(BCPError):

@@ -305,6 +305,15 @@ def file_extents(md: CheckpointMetadata, pieces: NamedPieces | None = None) -> d
     return {i: FileExtent(end, _piece_words(owner, p)) for i, (end, owner, p) in last.items()}
 
 
+def file_pieces(md: CheckpointMetadata) -> dict[int, list[tuple[int, int, tuple[int, ...]]]]:
+    """Each data file's pieces (by index into `md.files`): (byte offset, bytes, checksums)."""
+    out: dict[int, list[tuple[int, int, tuple[int, ...]]]] = {}
+    for _, owned in all_pieces(md):
+        for p in owned:
+            out.setdefault(p.file, []).append((p.byte_offset, p.nbytes, p.checksums))
+    return out
+
+
 def _piece_words(owner: str, p: Any) -> str:
     where = f"index {list(p.index)}" if isinstance(p, ObjectPiece) else f"offsets {list(p.offsets)}"
     return f"the piece of {owner} at {where} (bytes [{p.byte_offset}, {p.byte_offset + p.nbytes}))"

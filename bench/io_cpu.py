@@ -141,9 +141,13 @@ def _probes() -> ThreadCPU:
     # hashing and handing the steps over, less the copies (engine.write since the engine was split in two)
     probe.wrap(getattr(engine, "write", engine), "_write_hashed", "hash")
     probe.wrap(staging.LazyCopy, "_copy", "snapshot_copy")
-    probe.wrap(local, "_copy", "copy")
-    probe.wrap(local, "_pwrite_all", "write_syscalls")
-    probe.wrap(local._LocalWriter, "close", "fsync_close")
+    try:  # the writer, out of local.py since the split
+        from bcp_core.storage import local_writer as writer
+    except ImportError:
+        writer = local
+    probe.wrap(writer, "_copy", "copy")
+    probe.wrap(writer, "_pwrite_all", "write_syscalls")
+    probe.wrap(getattr(writer, "LocalWriter", None) or local._LocalWriter, "close", "fsync_close")
     # the rest, by where it runs: the save call (caller's thread), the plan and commit rounds
     probe.wrap(checkpointer.Checkpointer, "save", "call")
     probe.wrap(SaveRounds, "agree", "plan_round")

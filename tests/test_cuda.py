@@ -309,24 +309,24 @@ def test_a_synchronous_save_of_device_state_failing_mid_tensor_commits_nothing(d
     file, no checkpoint is committed at the path, the previous one still loads exactly, and the
     next save (the same bounces reused) loads bit for bit."""
     from bcp_core.host_memory import CHUNK_BYTES
-    from bcp_core.storage import local
+    from bcp_core.storage import local_writer
     g = torch.Generator().manual_seed(5)
     state = {"w": torch.randn(CHUNK_BYTES // 4 * 2 + 999, generator=g).to(device)}
     root = str(tmp_path / "root")
     bcp.save(root, state, step=1)
     first = state["w"].cpu().clone()
     state["w"].mul_(3)
-    real, calls = local._pwrite_all, []
+    real, calls = local_writer._pwrite_all, []
 
     def failing(fd, data, offset):
         calls.append(len(data))
         if len(calls) == 3:
             raise OSError(28, "No space left on device")
         return real(fd, data, offset)
-    monkeypatch.setattr(local, "_pwrite_all", failing)
+    monkeypatch.setattr(local_writer, "_pwrite_all", failing)
     with pytest.raises(bcp.BCPError, match=r"writing .*\.safetensors failed: .*No space left on device"):
         bcp.save(root, state, step=2)  # a synchronous save raises at the call
-    monkeypatch.setattr(local, "_pwrite_all", real)
+    monkeypatch.setattr(local_writer, "_pwrite_all", real)
     dest = {"w": torch.zeros_like(state["w"])}
     bcp.load(root, dest)  # the newest committed: step 1
     assert torch.equal(dest["w"].cpu(), first)

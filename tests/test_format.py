@@ -45,7 +45,7 @@ def test_large_pieces_start_where_direct_io_takes_them_from_memory(tmp_path):
     address (and its staging copy's) modulo 4096, behind zero-byte `__padding_<k>` entries;
     safetensors reads every piece, `bcp verify` passes, and a load gives the tensors back. A
     synchronous save copies through the writer's buffers: no padding."""
-    from bcp_core.storage import local
+    from bcp_core.storage import local_writer
     from bcp_core.tools import cli
     try:
         os.close(os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644))
@@ -61,10 +61,10 @@ def test_large_pieces_start_where_direct_io_takes_them_from_memory(tmp_path):
     for fqn, t in state.items():
         (piece,) = raw["tensors"][fqn]["pieces"]
         if t.numel() * 4 >= 1 << 20:
-            assert (piece["byte_offset"] - t.data_ptr()) % local.ALIGN == 0, fqn
+            assert (piece["byte_offset"] - t.data_ptr()) % local_writer.ALIGN == 0, fqn
     (name,) = raw["files"]
     with open(ck / name, "rb") as f:
-        assert (8 + int.from_bytes(f.read(8), "little")) % local.ALIGN == 0
+        assert (8 + int.from_bytes(f.read(8), "little")) % local_writer.ALIGN == 0
     with safe_open(str(ck / name), "pt") as f:
         pads = [k for k in f.keys() if k.startswith("__padding_")]
         assert pads and all(not f.get_tensor(k).any() for k in pads)

@@ -510,7 +510,7 @@ def test_local_writer_closes_its_descriptor_once(tmp_path, monkeypatch):
     once: before, abort() closed the number again, which by then was another file's."""
     import errno
 
-    from bcp_core.storage import local
+    from bcp_core.storage import local_writer
     st = bst.storage_for(str(tmp_path))
     w = st.open_writer("f.safetensors")
     w.write(memoryview(b"bytes that never reach the disk"))
@@ -521,10 +521,10 @@ def test_local_writer_closes_its_descriptor_once(tmp_path, monkeypatch):
         if n == fd:
             raise OSError(errno.EIO, "Input/output error")
         return real_fsync(n)
-    monkeypatch.setattr(local.os, "fsync", fsync)
+    monkeypatch.setattr(local_writer.os, "fsync", fsync)
     with pytest.raises(OSError, match="Input/output"):
         w.close()
-    monkeypatch.setattr(local.os, "fsync", real_fsync)
+    monkeypatch.setattr(local_writer.os, "fsync", real_fsync)
     opened = []  # another component's files, until one gets the number the writer had
     while not opened or opened[-1] != fd:
         assert len(opened) < 64, opened
@@ -604,28 +604,29 @@ def test_direct_writes_take_large_buffers_in_place(tmp_path, small_io, monkeypat
         pytest.skip(f"{tmp_path} has no O_DIRECT")
     import errno
 
-    from bcp_core.storage import local
-    copied, real_copy = [], local._copy
-    monkeypatch.setattr(local, "_copy", lambda dst, src: (copied.append(len(dst)), real_copy(dst, src)))
+    from bcp_core.storage import local_writer
+    copied, real_copy = [], local_writer._copy
+    monkeypatch.setattr(local_writer, "_copy", lambda dst, src: (copied.append(len(dst)), real_copy(dst, src)))
     st = bst.storage_for(str(tmp_path))
-    big = np.random.default_rng(0).integers(0, 256, 3 * local.IN_PLACE_BYTES, dtype=np.uint8)
+    big = np.random.default_rng(0).integers(0, 256, 3 * local_writer.IN_PLACE_BYTES, dtype=np.uint8)
 
     def aligned_slice(pos: int, n: int) -> memoryview:
         """n bytes of `big` whose address is `pos` modulo ALIGN."""
-        start = (pos - big.ctypes.data) % local.ALIGN
+        start = (pos - big.ctypes.data) % local_writer.ALIGN
         return memoryview(big)[start:start + n]
 
-    for head in (0, 5, local.ALIGN + 100, 2 * PART + 7):  # bytes already in the file
+    for head in (0, 5, local_writer.ALIGN + 100, 2 * PART + 7):  # bytes already in the file
         w = st.open_writer(f"f{head}")
         before = os.urandom(head)
         w.write(memoryview(before))
-        data = aligned_slice(head, 2 * local.IN_PLACE_BYTES + 777)
+        data = aligned_slice(head, 2 * local_writer.IN_PLACE_BYTES + 777)
         assert w.can_write_in_place(data)
-        assert not w.can_write_in_place(data[1:]) and not w.can_write_in_place(data[:local.IN_PLACE_BYTES - 1])
+        assert not w.can_write_in_place(data[1:]) and not w.can_write_in_place(data[:local_writer.IN_PLACE_BYTES - 1])
         copied.clear()
         w.write_in_place(data)
-        assert 0 < sum(copied) < 2 * local.ALIGN or (head % local.ALIGN == 0 and sum(copied) == 777), copied
-        plain = aligned_slice(w.pos, local.IN_PLACE_BYTES)
+        align = local_writer.ALIGN
+        assert 0 < sum(copied) < 2 * align or (head % align == 0 and sum(copied) == 777), copied
+        plain = aligned_slice(w.pos, local_writer.IN_PLACE_BYTES)
         copied.clear()
         w.write(plain)  # could go in place, but was not asked to
         assert sum(copied) == len(plain)
@@ -636,13 +637,13 @@ def test_direct_writes_take_large_buffers_in_place(tmp_path, small_io, monkeypat
     real_pwrite = os.pwrite
     for err in (errno.EINVAL, errno.ENOSPC):
         def pwrite(fd, buf, pos, err=err):
-            if len(buf) > local.IN_PLACE_BYTES:  # the in-place write
+            if len(buf) > local_writer.IN_PLACE_BYTES:  # the in-place write
                 raise OSError(err, os.strerror(err))
             return real_pwrite(fd, buf, pos)
-        monkeypatch.setattr(local.os, "pwrite", pwrite)
+        monkeypatch.setattr(local_writer.os, "pwrite", pwrite)
         w = st.open_writer(f"e{err}")
         w.write(memoryview(b"head"))
-        data = aligned_slice(4, 2 * local.IN_PLACE_BYTES)
+        data = aligned_slice(4, 2 * local_writer.IN_PLACE_BYTES)
         if err == errno.EINVAL:
             w.write_in_place(data)
             w.close()
@@ -652,7 +653,7 @@ def test_direct_writes_take_large_buffers_in_place(tmp_path, small_io, monkeypat
                 w.write_in_place(data)
             w.abort()
             assert not (tmp_path / f"e{err}").exists()
-    monkeypatch.setattr(local.os, "pwrite", real_pwrite)
+    monkeypatch.setattr(local_writer.os, "pwrite", real_pwrite)
     left = sorted(f.name for f in tmp_path.iterdir() if ".bcp-tmp." in f.name)
     assert not left, left  # the failed file's temporary is gone
 
@@ -666,11 +667,11 @@ def test_pages_shared_with_a_forked_process_are_not_written_in_place(tmp_path):
         pytest.skip(f"{tmp_path} has no O_DIRECT")
     import multiprocessing as mp
 
-    from bcp_core.storage import local
+    from bcp_core.storage import local_writer
     st = bst.storage_for(str(tmp_path))
-    n = 2 * local.IN_PLACE_BYTES
-    big = np.random.default_rng(1).integers(0, 256, 2 * n + local.ALIGN, dtype=np.uint8)
-    start = -big.ctypes.data % local.ALIGN  # agrees with file position 0
+    n = 2 * local_writer.IN_PLACE_BYTES
+    big = np.random.default_rng(1).integers(0, 256, 2 * n + local_writer.ALIGN, dtype=np.uint8)
+    start = -big.ctypes.data % local_writer.ALIGN  # agrees with file position 0
     first, second = memoryview(big)[start:start + n], memoryview(big)[start + n:start + 2 * n]
     w = st.open_writer("f")
     assert w.can_write_in_place(first)
@@ -701,8 +702,8 @@ def test_direct_io_falls_back_to_buffered_writes(tmp_path, small_io, monkeypatch
         pytest.skip(f"{tmp_path} has no O_DIRECT")
     import errno
 
-    from bcp_core.storage import local
-    monkeypatch.setattr(local, "IN_FLIGHT", 1)  # a write's error met by the next write, not only at close
+    from bcp_core.storage import local_writer
+    monkeypatch.setattr(local_writer, "IN_FLIGHT", 1)  # a write's error met by the next write, not only at close
     st = bst.storage_for(str(tmp_path))
     data = os.urandom(3 * PART + 5)
 
@@ -722,14 +723,14 @@ def test_direct_io_falls_back_to_buffered_writes(tmp_path, small_io, monkeypatch
             fails.append(pos)
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_pwrite(fd, buf, pos)
-    monkeypatch.setattr(local.os, "pwrite", pwrite)
+    monkeypatch.setattr(local_writer.os, "pwrite", pwrite)
     written("einval_at_write", direct=False)
     assert fails  # direct was tried first
     w = st.open_writer("einval_at_close")  # under one block: the only direct write is at close
     w.write(memoryview(b"tiny"))
     w.close()
     assert (tmp_path / "einval_at_close").read_bytes() == b"tiny" and not w.direct
-    monkeypatch.setattr(local.os, "pwrite", real_pwrite)
+    monkeypatch.setattr(local_writer.os, "pwrite", real_pwrite)
 
     real_open = os.open
 
@@ -737,9 +738,9 @@ def test_direct_io_falls_back_to_buffered_writes(tmp_path, small_io, monkeypatch
         if flags & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument", path)
         return real_open(path, flags, *a, **kw)
-    monkeypatch.setattr(local.os, "open", open_)
+    monkeypatch.setattr(local_writer.os, "open", open_)
     written("einval_at_open", direct=False)
-    monkeypatch.setattr(local.os, "open", real_open)
+    monkeypatch.setattr(local_writer.os, "open", real_open)
 
     written("direct", direct=True)
     bst.configure_storage(direct_io=False)
@@ -762,7 +763,7 @@ def _pwrite_failing_at_the_second_call(monkeypatch) -> list[int]:
     with (clear it to start counting again)."""
     import errno
 
-    from bcp_core.storage import local
+    from bcp_core.storage import local_writer
     real_pwrite, calls = os.pwrite, []
 
     def pwrite(fd, buf, pos):
@@ -770,7 +771,7 @@ def _pwrite_failing_at_the_second_call(monkeypatch) -> list[int]:
         if len(calls) == 2:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_pwrite(fd, buf, pos)
-    monkeypatch.setattr(local.os, "pwrite", pwrite)
+    monkeypatch.setattr(local_writer.os, "pwrite", pwrite)
     return calls
 
 
@@ -781,8 +782,8 @@ def test_direct_write_failing_in_flight_fails_the_file(tmp_path, small_io, monke
     temporary file is removed, and the aligned buffers go back to the pool."""
     if not _direct_io_here(tmp_path):
         pytest.skip(f"{tmp_path} has no O_DIRECT")
-    from bcp_core.storage import local
-    monkeypatch.setattr(local, "IN_FLIGHT", in_flight)
+    from bcp_core.storage import local_writer
+    monkeypatch.setattr(local_writer, "IN_FLIGHT", in_flight)
     st = bst.storage_for(str(tmp_path))
     calls = _pwrite_failing_at_the_second_call(monkeypatch)
     for size in (4 * PART, 2 * PART + 7):  # the error met by a later write / only at close
@@ -796,7 +797,7 @@ def test_direct_write_failing_in_flight_fails_the_file(tmp_path, small_io, monke
         left = [f.name for f in tmp_path.iterdir() if f.name != ".probe"]
         assert not left, left
         assert w.inflight == [] and w.buf is None and w.pool is None
-    assert len(local._ALIGNED._free) <= local._AlignedBuffers.KEEP
+    assert len(local_writer._ALIGNED._free) <= local_writer._AlignedBuffers.KEEP
 
 
 def test_failed_direct_write_leaves_nothing_behind_when_the_buffer_pool_is_full(tmp_path, small_io, monkeypatch):
@@ -808,16 +809,16 @@ def test_failed_direct_write_leaves_nothing_behind_when_the_buffer_pool_is_full(
         pytest.skip(f"{tmp_path} has no O_DIRECT")
     import mmap
 
-    from bcp_core.storage import local
-    monkeypatch.setattr(local, "IN_FLIGHT", 1)  # the error met by the third write
+    from bcp_core.storage import local_writer
+    monkeypatch.setattr(local_writer, "IN_FLIGHT", 1)  # the error met by the third write
     st = bst.storage_for(str(tmp_path))
     _pwrite_failing_at_the_second_call(monkeypatch)
     w = st.open_writer("f")
     with pytest.raises(OSError, match="No space left"):  # the engine aborts with the error still alive
         for _ in range(3):
             w.write(memoryview(os.urandom(PART)))
-    for _ in range(local._AlignedBuffers.KEEP):
-        local._ALIGNED.put(mmap.mmap(-1, local._ALIGNED.size()))
+    for _ in range(local_writer._AlignedBuffers.KEEP):
+        local_writer._ALIGNED.put(mmap.mmap(-1, local_writer._ALIGNED.size()))
     w.abort()
     assert w.fd is None and w.dir_fd is None and w.pool is None
     left = [f.name for f in tmp_path.iterdir() if f.name != ".probe"]
@@ -844,14 +845,14 @@ def test_forked_child_shares_no_aligned_buffer_or_lock_with_its_parent():
     held by another thread of the parent at the fork."""
     import signal
 
-    from bcp_core.storage import local
-    buf = local._ALIGNED.get()
+    from bcp_core.storage import local_writer
+    buf = local_writer._ALIGNED.get()
     buf[:5] = b"....."
-    local._ALIGNED.put(buf)
+    local_writer._ALIGNED.put(buf)
     held, release = threading.Event(), threading.Event()
 
     def hold():
-        with local._ALIGNED._lock:
+        with local_writer._ALIGNED._lock:
             held.set()
             release.wait(30)
     t = threading.Thread(target=hold)
@@ -864,7 +865,7 @@ def test_forked_child_shares_no_aligned_buffer_or_lock_with_its_parent():
             try:
                 signal.signal(signal.SIGALRM, signal.SIG_DFL)
                 signal.alarm(10)  # a deadlock ends the child, not the test
-                child = local._ALIGNED.get()
+                child = local_writer._ALIGNED.get()
                 child[:5] = b"child"
                 code = 0
             finally:
@@ -874,11 +875,11 @@ def test_forked_child_shares_no_aligned_buffer_or_lock_with_its_parent():
         t.join()
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, "the child could not take an aligned buffer"
-    mine = local._ALIGNED.get()
+    mine = local_writer._ALIGNED.get()
     try:
         assert mine is buf and bytes(mine[:5]) == b"....."
     finally:
-        local._ALIGNED.put(mine)
+        local_writer._ALIGNED.put(mine)
 
 
 def test_retry_classification_and_messages(small_io):

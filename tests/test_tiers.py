@@ -176,34 +176,45 @@ def test_a_failed_replica_fails_the_save_on_every_rank_and_commits_it_nowhere(tm
     for node in ("mem0", "mem1"):
         steps = _steps(tmp_path / node)
         assert steps[1] is not None and steps[3] is not None and steps.get(2) is None, steps
+    # node 0's copy of a step-3 file damaged (a flipped bit in RAM): the load fails its checksum,
+    # node 0 sets its copy aside, and step 3 loads again with that file from node 1's copy
+    step3 = tmp_path / "mem0" / "bcp-memory" / "job" / "step_00000003" / "data"
+    victim = _flip_last_byte(sorted(step3.iterdir())[0])
     assert run_ranks(4, _load, base) == [(3, "memory", True)] * 4
+    assert not victim.exists() and victim.with_name(victim.name + ".damaged").exists()
     for node in ("mem0", "mem1"):
         os.remove(tmp_path / node / "bcp-memory" / "job" / "step_00000003" / "bcp_metadata.json")
     assert run_ranks(4, _load, base, None, False, {"durable": None, "persist_every": None}) == \
         [(1, "memory", True)] * 4
 
 
-def test_a_failed_recovery_leaves_the_state_untouched(tmp_path, monkeypatch):
-    """Node 1 lost and node 0's copy of a step-3 file damaged: the load of step 3 fails its checksum
-    on every rank; with that file gone too, step 2 is not whole either (k = 0 here) and no durable
-    step exists: a one-line error naming what is missing. The state is untouched each time."""
+def _flip_last_byte(path):
+    """A bit flipped in a data file's last piece (as in RAM after the write checked it)."""
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_a_damaged_copy_is_set_aside_and_a_failed_recovery_leaves_the_state_untouched(tmp_path, monkeypatch):
+    """Node 1 lost and node 0's copy of a step-3 file damaged, no other copy: the load of step 3
+    fails its checksum (the state untouched), node 0 sets the copy aside, and the load takes the
+    newest whole step, 2. With node 0's own files of steps 2 and 3 gone too, no step is whole (k = 0
+    here) and no durable step exists: a one-line error naming what is missing, the state untouched."""
     base = str(tmp_path)
     monkeypatch.setenv("BCP_LOCAL_WORLD_SIZE", "1")
     assert run_ranks(2, _save, base, [1, 2, 3]) == [{}] * 2
     step3 = tmp_path / "mem0" / "bcp-memory" / "job" / "step_00000003" / "data"
-    victim = sorted(step3.iterdir())[-1]
-    data = bytearray(victim.read_bytes())
-    data[-10] ^= 0xFF
-    victim.write_bytes(bytes(data))
+    victim = _flip_last_byte(sorted(step3.iterdir())[-1])
     import shutil
     shutil.rmtree(tmp_path / "mem1")
     shutil.rmtree(tmp_path / "durable")
-    for kind, message, same in run_ranks(2, _load, base, ["0", "new"]):
-        assert kind == "ChecksumError" and same, message
+    assert run_ranks(2, _load, base, ["0", "new"]) == [(2, "memory", True)] * 2
+    assert victim.with_name(victim.name + ".damaged").exists()
     for d in ("step_00000002", "step_00000003"):  # node 0's own file of each step gone too
         own = sorted((tmp_path / "mem0" / "bcp-memory" / "job" / d / "data").iterdir())
         for f in own:
-            if "-r0_" in f.name:
+            if "-r0_" in f.name and f.suffix == ".safetensors":
                 f.unlink()
     for kind, message, same in run_ranks(2, _load, base, ["0", "new"]):
         assert kind == "IncompleteCheckpointError" and same, message
@@ -265,6 +276,33 @@ def test_one_process_memory_and_durable_without_replicas(tmp_path, monkeypatch):
     assert bcp.resolve(str(tmp_path / "durable")).root.endswith("step_00000004")
     with pytest.raises(bcp.SaveError, match="replicas=1 needs at least 2 nodes"):
         bcp.save(bcp.Tiers("memory://solo"), state, step=5)
+
+
+def test_a_damaged_copy_is_never_drained_and_a_load_takes_the_newest_whole_step(tmp_path, monkeypatch):
+    """A bit flips in memory after step 4 was written and before its drain reads it: the drain
+    fails naming the file (the durable root's latest stays step 2), and a load finds step 4's copy
+    damaged, sets it aside and loads step 2 instead."""
+    from bcp_core.storage.faults import Fault, inject
+    monkeypatch.setenv("BCP_MEMORY_DIR", str(tmp_path))
+    tiers = bcp.Tiers("memory://solo", durable=str(tmp_path / "durable"), replicas=0, persist_every=2)
+    bcp.save(tiers, {"w": torch.arange(6.0), "step": 2}, step=2).wait()
+    drains = bcp.checkpointer.get_checkpointer()._tiers.drains.queue
+    drains.wait_all(60)
+    flipped = []
+
+    def flip(call):  # the drain maps the file to copy it
+        flipped.append(_flip_last_byte(tmp_path / "bcp-memory" / call.path[len("memory://"):]))
+    with inject(Fault("map", hook=flip, path="*/step_00000004/data/*")):
+        bcp.save(tiers, {"w": torch.arange(6.0) * 2, "step": 4}, step=4).wait()
+        drains.wait_all(60)
+    assert len(flipped) == 1
+    with pytest.raises(bcp.SaveError, match=r"fails the checksum of bytes .*damaged, and is not persisted"):
+        drains.pending[-1].handle.wait(0)
+    assert bcp.resolve(str(tmp_path / "durable")).root.endswith("step_00000002")
+    target = {"w": torch.full((6,), -1.0), "step": 0}
+    result = bcp.load(tiers, target)
+    assert (result.step, target["step"]) == (2, 2) and torch.equal(target["w"], torch.arange(6.0))
+    assert flipped[0].with_name(flipped[0].name + ".damaged").exists()
 
 
 def test_a_replica_is_checked_against_the_writes_checksums(tmp_path):

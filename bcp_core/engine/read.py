@@ -52,7 +52,8 @@ def verify_blocks(data: memoryview, start: int, nbytes: int, sums: tuple[int, ..
             continue
         if checksum(data[lo:hi]) != sums[b]:
             raise ChecksumError(f"checksum mismatch in {file} bytes [{byte_offset + b * block}, "
-                                f"{byte_offset + b * block + hi - lo}) of {what}: the data file is corrupted")
+                                f"{byte_offset + b * block + hi - lo}) of {what}: the data file is corrupted",
+                                file=file)
 
 @metrics.timed("checksum", nbytes=lambda _, data, *a: len(data))
 def _verify(data: memoryview, start: int, item: ReadItem, file: str, block: int,
@@ -193,7 +194,7 @@ def copy_verified(item: ReadItem, buf: torch.Tensor, span_lo: int, files: tuple[
             if h is not None and h.intdigest() != p.checksums[b]:
                 raise ChecksumError(f"checksum mismatch in {file} bytes [{p.byte_offset + lo}, {p.byte_offset + hi}) "
                                     f"of tensor {item.fqn!r} (piece offsets {list(p.offsets)} lengths "
-                                    f"{list(p.lengths)}): the data file is corrupted")
+                                    f"{list(p.lengths)}): the data file is corrupted", file=file)
     rec = metrics.current()
     if rec is not None:  # hashing is spread over the copy: its total, from the copy's start
         rec.add("checksum", t_start, t_start + hashing, len(dst))
@@ -419,7 +420,7 @@ class VerifiedReads:
                 read_item(self.storage, self.files, self.block, v.item, self.verify, self.maps)
             except ChecksumError as e:
                 raise ChecksumError(f"{e}; the file changed after this load had verified it, and part of the "
-                                    "state was loaded by then") from None
+                                    "state was loaded by then", file=e.file) from None
         with self._lock:
             verified, self._verified = self._verified, []
         _run_each(put, verified, num_threads)

@@ -14,7 +14,8 @@ import stat
 
 from ..errors import StorageError
 from .base import FileWriter, Storage, parse_temp_name, register_storage, temp_name, temp_writer_gone
-from .local import DIR_NOFOLLOW, LocalStorage, _LocalWriter, _remove_tree
+from .local import DIR_NOFOLLOW, LocalStorage, _remove_tree
+from .local_writer import LocalWriter
 
 log = logging.getLogger("bcp")
 
@@ -128,7 +129,7 @@ class MemoryStorage(LocalStorage):
         except BaseException:
             os.close(dir_fd)
             raise
-        return _LocalWriter(dir_fd, name, self.join(relpath), self.fsync, self.FILE_MODE, adopt=adopt)
+        return LocalWriter(dir_fd, name, self.join(relpath), self.fsync, self.FILE_MODE, adopt=adopt)
 
     def _take_spare(self, dir_fd: int, name: str) -> tuple[str, int] | None:
         """The spare of `name`'s kind renamed to a temporary name in `dir_fd` and opened for writing:

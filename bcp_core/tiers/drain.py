@@ -21,15 +21,16 @@ import logging
 
 from .. import metrics
 from ..comm import comm_for
-from ..errors import CommTimeoutError, SaveError
+from ..errors import CommTimeoutError, SaveError, StorageError
 from ..layout import write_tracker
-from ..metadata import FAILED_FILE, METADATA_FILE, CheckpointMetadata
+from ..metadata import CHECKSUM_BLOCK_BYTES, FAILED_FILE, METADATA_FILE, CheckpointMetadata
 from ..plan_records import Committed, SaveId, WriteReport
 from ..save_job import SaveProgress, SaveRequest, rank_error
 from ..save_queue import SaveHandle, SaveQueue
 from ..save_rounds import PROBE_FILE, SaveRounds, check_probes, mark_failed, tidy_root, write_probe
 from ..storage import Storage
 from ..storage.base import parse_temp_name, run_all
+from .replication import CopyCheck
 from .transport import PART_BYTES
 
 log = logging.getLogger("bcp")
@@ -66,14 +67,14 @@ class DrainLane:
         rec = metrics.Recorder("save", dcomm.rank, dckpt.root)
         self.runtime.pinned.add(name)
         run = self.queue.start(lambda: rec.run(self._drain, dcomm, drequest, dprogress, request.ckpt,
-                                               tier.files, progress.metadata, request.root,
+                                               tier.pieces, progress.metadata, request.root,
                                                tier.tiers.keep_in_memory, finish=True))
         handle = SaveHandle(dckpt.root, run, rec)
         self.queue.add(handle, drequest, dprogress)
         return handle
 
-    def _drain(self, comm, request: SaveRequest, progress: SaveProgress, memory: Storage, files: list[str] | None,
-               md: bytes | None, memory_root: Storage, keep: int) -> str:
+    def _drain(self, comm, request: SaveRequest, progress: SaveProgress, memory: Storage,
+               pieces: dict[str, list] | None, md: bytes | None, memory_root: Storage, keep: int) -> str:
         op = f"d{request.save.number}"
         try:
             progress.phase = "writing"
@@ -82,7 +83,7 @@ class DrainLane:
             if progress.probe:
                 write_probe(comm, request, progress)
                 comm.barrier(f"{op}/probe", request.timeout)
-            report = self._copy(comm, request, progress, memory, files)
+            report = self._copy(comm, request, progress, memory, pieces)
             progress.phase = "committing"
             self.rounds.round(comm, request, f"{op}/commit", report, self._decide(request, progress, md))
             progress.phase = "committed"
@@ -102,16 +103,17 @@ class DrainLane:
 
     @staticmethod
     def _copy(comm, request: SaveRequest, progress: SaveProgress, memory: Storage,
-              files: list[str] | None) -> WriteReport:
-        """This rank's files from memory to the durable step; a failure is this rank's report."""
+              pieces: dict[str, list] | None) -> WriteReport:
+        """This rank's files (by name, with their pieces as its write reported them) from memory to
+        the durable step, each checked as it goes; a failure is this rank's report."""
         try:
             if progress.error is not None:
                 raise SaveError(progress.error)
-            if files is None:
+            if pieces is None:
                 raise SaveError(f"rank {comm.rank} wrote no files of this step")
             check_probes(comm, request, progress)
-            with metrics.phase("drain", sum(memory.size(f) for f in files)):
-                copy_files(memory, request.ckpt, files, request.num_threads)
+            with metrics.phase("drain", sum(memory.size(f) for f in pieces)):
+                copy_files(memory, request.ckpt, pieces, request.num_threads, CHECKSUM_BLOCK_BYTES)
             return WriteReport(request.save, None, {}, {}, (), {}, ())
         except Exception as e:  # noqa: BLE001 - reported to the coordinator, so every rank fails alike
             return WriteReport.failed(request.save, rank_error(comm.rank, e))
@@ -145,25 +147,34 @@ class DrainLane:
         return decide
 
 
-def copy_files(src: Storage, dst: Storage, files: list[str], threads: int) -> None:
-    """Each file of `src` (a node's memory) to the same path in `dst`, in parts read from its map;
-    each appears whole (the storage's writers), and `data/` is synced after."""
+def copy_files(src: Storage, dst: Storage, pieces: dict[str, list], threads: int, block: int) -> None:
+    """Each file of `src` (a node's memory) named in `pieces` to the same path in `dst`, in parts read
+    from its map, each part checked against the file's pieces (byte offset, bytes, the checksum of
+    each `block`, as the write computed them) just before it is written: a copy damaged in memory
+    (a flipped bit in RAM) fails the drain, and never becomes a durable checkpoint. Each file
+    appears whole (the storage's writers), and `data/` is synced after."""
     dst.makedirs("data")
 
     def copy(rel: str) -> None:
         data = src.map(rel)
+        check = CopyCheck.for_file(data, pieces[rel], block)
         writer = dst.open_writer(rel)
         try:
             for lo in range(0, len(data), PART_BYTES):
                 part = data[lo:lo + PART_BYTES]
+                check.feed(part, lo)
                 if writer.can_write_in_place(part):  # direct I/O straight from the memory file
                     writer.write_in_place(part)
                 else:
                     writer.write(part)
+            wrong = check.wrong()
+            if wrong:
+                raise StorageError(f"{src.join(rel)} {wrong}: this node's copy of the step is damaged, and is not "
+                                   "persisted")
             writer.close()
         except BaseException:
             writer.abort()
             raise
-    run_all([lambda rel=rel: copy(rel) for rel in files], max(1, threads))
+    run_all([lambda rel=rel: copy(rel) for rel in pieces], max(1, threads))
     dst.sync_dir("data")
 

@@ -83,7 +83,8 @@ class TierSave:
     runtime: TierRuntime
     process_group: object = None
     placement: Placement | None = None
-    files: list[str] | None = None               # the data files this rank wrote
+    pieces: dict[str, list] | None = None        # the data files this rank wrote: their pieces (byte offset,
+                                                 # bytes, checksums); None if its write failed
     counts: dict = field(default_factory=dict)   # bytes replicated
 
     # -- before the plan round ------------------------------------------------------------------------
@@ -129,15 +130,13 @@ class TierSave:
     def replicate(self, comm: Comm, request: SaveRequest, report: WriteReport) -> WriteReport:
         """This rank's files to its replica nodes, its sources' files into this node's memory; a
         failure becomes this rank's report."""
-        self.files = sorted({p.file for p in report.pieces}) if report.error is None else None
+        if report.error is None:
+            self.pieces = {}
+            for p in report.pieces:
+                self.pieces.setdefault(p.file, []).append((p.byte_offset, p.nbytes, p.checksums))
         if self.placement is None or not self.tiers.replicas:
             return report
-        pieces = None
-        if self.files is not None:
-            pieces = {f: [] for f in self.files}
-            for p in report.pieces:
-                pieces[p.file].append((p.byte_offset, p.nbytes, p.checksums))
-        error, self.counts = replicate(comm, self.placement, request.ckpt, pieces, report.error,
+        error, self.counts = replicate(comm, self.placement, request.ckpt, self.pieces, report.error,
                                        request.save.number * _TAGS_PER_SAVE + _REPLICATE,
                                        request.timeout.total_seconds(), self.tiers.bandwidth,
                                        f"s{request.save.number}/replicate")

@@ -37,15 +37,17 @@ import xxhash
 from .. import codec
 from ..comm import DEFAULT_TIMEOUT, Comm
 from ..engine.read import item_span
-from ..errors import BCPError, IncompleteCheckpointError, NotACheckpointError
+from ..errors import (BCPError, ChecksumError, CommTimeoutError, DamagedStepError, IncompleteCheckpointError,
+                      NotACheckpointError)
 from ..layout import BCP_STEPS, read_tracker
 from ..loader import LoadResult, _load_op, load_checkpoint, read_metadata
-from ..metadata import METADATA_FILE, CheckpointMetadata, read_metadata_file
+from ..metadata import METADATA_FILE, CheckpointMetadata, file_pieces, read_metadata_file
 from ..shared_reads import LoadFailure, raise_failures
 from ..storage import Storage, storage_for
 from ..storage.base import parse_temp_name
 from ..utils import human_bytes
 from .placement import nodes_of
+from .replication import CopyCheck
 from .policy import Tiers
 from .transport import Peer, tier_group
 
@@ -120,13 +122,21 @@ class Fetches:
 def load_tiered(tiers: Tiers, state: dict, framework: str = "auto", strict: bool = True, *, process_group=None,
                 allow_pickle: bool = False, verify_checksums: bool = True, num_threads: int = 4,
                 share_reads: bool | None = None, timeout: timedelta = DEFAULT_TIMEOUT, mapping=None) -> LoadResult:
-    """`bcp_core.load(tiers, state)` (module doc): `locate`, then `Located.load`. Collective."""
+    """`bcp_core.load(tiers, state)` (module doc): `locate`, then `Located.load`; where damaged
+    copies set aside leave the step incomplete in memory (`DamagedStepError`), the newest whole
+    step then (an older one in memory, or the durable one). Collective."""
     if mapping is not None:
         raise ValueError("a mapped load reads one checkpoint: load the step of a tiered root by its path "
                          "(Tiers.durable's step directory) with mapping=")
-    return locate(tiers, process_group=process_group, timeout=timeout).load(
-        state, framework, strict, allow_pickle=allow_pickle, verify_checksums=verify_checksums,
-        num_threads=num_threads, share_reads=share_reads)
+    for round_ in range(SET_ASIDE_ROUNDS + 1):
+        try:
+            return locate(tiers, process_group=process_group, timeout=timeout).load(
+                state, framework, strict, allow_pickle=allow_pickle, verify_checksums=verify_checksums,
+                num_threads=num_threads, share_reads=share_reads)
+        except DamagedStepError:
+            if round_ == SET_ASIDE_ROUNDS:
+                raise
+    raise AssertionError("unreachable")
 
 
 def locate(tiers: Tiers, *, process_group=None, timeout: timedelta = DEFAULT_TIMEOUT) -> Located:
@@ -199,9 +209,34 @@ class Located:
                                      num_threads=num_threads, share_reads=share_reads, timeout=self.timeout)
         else:
             log.info("bcp: loading step %d from the nodes' memory (%s)", self.step, self.tiers.memory)
-            result = _load_from_memory(self, state, framework, strict, allow_pickle, verify_checksums, num_threads)
+            result = self._from_copies(state, framework, strict, allow_pickle, verify_checksums, num_threads)
         result.step, result.tier = self.step, self.tier
         return result
+
+    def _from_copies(self, state: dict, framework: str, strict: bool, allow_pickle: bool, verify_checksums: bool,
+                     num_threads: int) -> LoadResult:
+        """The step from the nodes' memory; where the load found damaged bytes (ChecksumError, the
+        state untouched), the nodes holding the files it named check their copies, set aside those
+        that are damaged (`_set_aside_damaged`), and the step is loaded again from the copies left,
+        up to `SET_ASIDE_ROUNDS` times. If the step is no longer whole in memory, ChecksumError says
+        which step a new load finds (`bcp.load` of the tiers then loads it)."""
+        at = self
+        for round_ in range(SET_ASIDE_ROUNDS + 1):
+            try:
+                return _load_from_memory(at, state, framework, strict, allow_pickle, verify_checksums, num_threads)
+            except CommTimeoutError:
+                raise  # a rank may be gone: no further exchange
+            except Exception as e:  # every rank fails a load alike: they agree on what was damaged
+                if round_ == SET_ASIDE_ROUNDS or not _set_aside_damaged(at, e):
+                    raise
+                again = locate(at.tiers, process_group=at.process_group, timeout=at.timeout)
+                if (again.tier, again.step) != (at.tier, at.step):
+                    raise DamagedStepError(f"{e}; the damaged copies were set aside, which leaves step {at.step} "
+                                           f"incomplete in memory: a new load finds step {again.step} "
+                                           f"({again.tier})", file=getattr(e, "file", None)) from e
+                log.warning("bcp: loading step %d again, from the copies left", at.step)
+                at = again
+        raise AssertionError("unreachable")
 
 
 def _load_from_memory(at: Located, state: dict, framework: str, strict: bool, allow_pickle: bool,
@@ -281,6 +316,51 @@ def _fetch(comm: Comm, op: str, choice: Choice, step: Storage, view: Storage, ra
     errors = comm.all_gather(None if error is None else codec.to_wire(LoadFailure.of(comm.rank, error)),
                              f"{op}/fetched", timeout)
     raise_failures([None if f is None else codec.from_wire(f, LoadFailure) for f in errors], error)
+
+
+# ----------------------------------------------------------------------------- damaged copies
+
+# Loads again after damaged copies were set aside (each round sets aside at least one copy).
+SET_ASIDE_ROUNDS = 2
+DAMAGED_SUFFIX = ".damaged"  # a copy set aside: data/<file>.damaged (no load names it; it goes with the step)
+
+
+def _set_aside_damaged(at: Located, error: BaseException) -> bool:
+    """After a load of step `at` failed: the ranks agree on the data files whose bytes failed their
+    checksums (ChecksumError.file, on the ranks that found them); each node leader holding one
+    checks its copy whole against the metadata and renames a damaged one out of the step
+    (`DAMAGED_SUFFIX`). Whether any copy was set aside (then a new `locate` sees the step without
+    it). Collective; every exchange bounded by the load's timeout."""
+    comm, op, choice = at.comm, f"{at.op}/damaged", at.choice
+    file = getattr(error, "file", None) if isinstance(error, ChecksumError) else None
+    named = sorted({f for f in comm.all_gather(file, f"{op}/named", at.timeout) if f in choice.files})
+    if not named:
+        return False
+    found: list[str] = []
+    if comm.rank in comm.node_leaders:
+        pieces = file_pieces(at.metadata)
+        step = at.tiers.memory_root().child(BCP_STEPS.name(at.step))
+        for rel in named:
+            try:
+                if not step.exists(rel):
+                    continue
+                data = step.map(rel)
+                check = CopyCheck.for_file(data, pieces.get(choice.files.index(rel), ()),
+                                           at.metadata.checksum_block_bytes)
+                check.feed(data, 0)
+                wrong = check.wrong()
+                del data, check
+                if wrong:
+                    os.rename(step._path(rel), step._path(rel + DAMAGED_SUFFIX))
+                    found.append(f"{step.join(rel)} {wrong}")
+            except Exception as e:  # noqa: BLE001 - this copy stays; the load's own error is raised
+                log.warning("bcp: rank %d: could not check or set aside %s: %s", comm.rank, step.join(rel), e)
+    gathered = comm.all_gather(found, f"{op}/set-aside", at.timeout)
+    damaged = [d for g in gathered for d in (g or [])]
+    if damaged:
+        log.warning("bcp: damaged copies of step %d set aside (renamed *%s): %s", at.step, DAMAGED_SUFFIX,
+                    "; ".join(damaged))
+    return bool(damaged)
 
 
 # ----------------------------------------------------------------------------- holdings and the choice

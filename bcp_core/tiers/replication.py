@@ -199,6 +199,16 @@ class CopyCheck:
             self.runs.append((pos, self.size, "zeros"))
         self.run, self.hash, self.pos = 0, xxhash.xxh3_64(), 0
 
+    @classmethod
+    def for_file(cls, data: memoryview, pieces, block: int) -> CopyCheck:
+        """A check of the file whose bytes are `data` (a node's copy in memory, read whole or fed in
+        parts) against `pieces` ((byte offset, bytes, checksums), as the write computed them). Its header is
+        taken as it is: a load reads the pieces, where the metadata places them."""
+        size = len(data)
+        header = min(8 + int.from_bytes(bytes(data[:8]), "little"), size) if size >= 8 else size
+        return cls([None, size, header, xxhash.xxh3_64_hexdigest(data[:header]),
+                    [[off, n, list(sums)] for off, n, sums in pieces]], block)
+
     def feed(self, data: memoryview, at: int) -> None:
         """The copy's bytes [at, at + len(data)), right after those fed before."""
         if at != self.pos:
