@@ -9,7 +9,9 @@ On one host reading local files, the page cache already holds each byte once for
 is faster than any transfer; what the ranks would repeat is the checksum verification (a
 Shard(0) -> Shard(1) load on N ranks needs a part of every block, so each rank would hash the
 whole checkpoint). There each block is verified by one of the ranks that read it (worst-fit
-again).
+again). Storage whose files are each node's own (memory://, `Storage.node_local`) is read so on
+every node, each block verified once per node: another node's copy is other bytes. A host is a
+machine and node (`Comm.nodes`), so nodes simulated on one machine are hosts of their own.
 
 Either way the reads land in each rank's verified reads (engine.VerifiedReads), and the ranks agree at the
 end: if any rank failed (a read, a checksum, a wait), every rank raises naming it and none has
@@ -165,13 +167,14 @@ def read_all_shared(reads: VerifiedReads, items: list[ReadItem], num_threads: in
         lo, hi = item_span(it, block, verify)
         spans.setdefault((it.piece.file, it.piece.byte_offset + lo, it.piece.byte_offset + hi), []).append(it)
     blocks = sorted({_blocks(it, block) for it in items}) if verify else []
-    mine = ReadRequest(_host(), tuple(sorted(spans)), tuple(blocks),
+    mine = ReadRequest(_host(comm), tuple(sorted(spans)), tuple(blocks),
                        None if failure is None else LoadFailure.of(comm.rank, failure))
     wanted = [codec.from_wire(w, ReadRequest)
               for w in comm.all_gather(codec.to_wire(mine), f"{op}/plan", timeout)]
     raise_failures([w.failure for w in wanted], failure)
-    if not reads.storage.remote and len({w.host for w in wanted}) == 1:
-        error, counts = _verify_once(reads, items, num_threads, comm, [w.blocks for w in wanted])
+    hosts = [w.host for w in wanted]
+    if not reads.storage.remote and (len(set(hosts)) == 1 or reads.storage.node_local):
+        error, counts = _verify_once(reads, items, num_threads, comm, [w.blocks for w in wanted], hosts)
     else:
         with metrics.phase("transfer"):  # the whole exchange; its own reads and copies are recorded too
             transfer = _Transfer(reads, spans, [w.spans for w in wanted], process_group, comm, op, timeout)
@@ -192,8 +195,10 @@ def read_all_shared(reads: VerifiedReads, items: list[ReadItem], num_threads: in
     return counts
 
 
-def _host() -> str:
-    return socket.gethostname()
+def _host(comm: Comm) -> str:
+    """The machine this rank reads on: its host name and its node (`Comm.nodes`: nodes simulated on
+    one machine, `BCP_LOCAL_WORLD_SIZE`, each read memory:// files of their own)."""
+    return f"{socket.gethostname()}#{comm.nodes[comm.rank]}"
 
 
 def _worst_fit(requesters: dict[tuple, list[int]], size, world_size: int) -> dict[tuple, int]:
@@ -212,18 +217,22 @@ def _worst_fit(requesters: dict[tuple, list[int]], size, world_size: int) -> dic
 
 
 def _verify_once(reads: VerifiedReads, items: list[ReadItem], num_threads: int, comm: Comm,
-                 wanted: list) -> tuple[BaseException | None, dict]:
-    """One host, local files: every rank reads its own bytes; each block is verified once."""
+                 wanted: list, hosts: list[str]) -> tuple[BaseException | None, dict]:
+    """Local files: every rank reads its own bytes; each block is verified once on each host, by
+    one of its ranks that read it (a block's copy on one host says nothing of another host's: a
+    node's own RAM, `Storage.node_local`)."""
     block = reads.block
-    requesters: dict[tuple[int, int, int], list[int]] = {}  # (file, piece offset, block) -> ranks
+    me = comm.rank
+    requesters: dict[tuple[int, int, int], list[int]] = {}  # (file, piece offset, block) -> ranks of this host
     sizes: dict[tuple[int, int, int], int] = {}
     for r, ranges in enumerate(wanted):
+        if hosts[r] != hosts[me]:
+            continue
         for f, off, b0, b1, nbytes in ranges:
             for b in range(b0, b1):
                 requesters.setdefault((f, off, b), []).append(r)
                 sizes[(f, off, b)] = min(block, nbytes - b * block)
     owner = _worst_fit(requesters, sizes.__getitem__, comm.world_size)
-    me = comm.rank
     skip = {(reads.files[f], off + b * block) for (f, off, b), r in owner.items() if r != me}
     try:
         reads.read_each(items, num_threads, skip)

@@ -36,7 +36,7 @@ def _byte_sharing(rank, root) -> list:
     bcp.save(os.path.join(root, "ck"), {"model": model, "optimizer": optim}).wait()
     ref = full_state(model, optim)
     host = shared_reads._host
-    shared_reads._host = lambda: f"host{rank}"
+    shared_reads._host = lambda comm: f"host{rank}"
     reads: list = []
     try:
         ddp, ddp_opt = build("ddp", seed=5)  # ...loaded replicated: both ranks need every byte

@@ -3,7 +3,9 @@
 `load_state()`), the HF Trainer (`BCPCallback(tiers=...)`, `BCPTrainer.train(resume_from_checkpoint=
 tiers)`). 2 ranks under torchrun, each a simulated node with a memory directory of its own; after 4
 steps saved, node 1's memory is removed and a replacement node (empty memory) resumes: step 4, every
-parameter as saved, and training goes on. (Megatron-LM: test_megatron_lm_tiers.py.)"""
+parameter as saved, and training goes on; then, node 0's copy of a step-6 file damaged, the next
+resume sets it aside and loads step 6 from the other node's copy. (Megatron-LM:
+test_megatron_lm_tiers.py.)"""
 
 from __future__ import annotations
 
@@ -19,10 +21,11 @@ from dist import Job
 pytestmark = pytest.mark.slow
 
 
-def _run(base, framework: str, memory: str, *args: str) -> None:
+def _run(base, framework: str, memory: str, *args: str) -> str:
     job = Job("tiered_frameworks.py", 2, "--framework", framework, "--base", str(base), "--memory", memory,
               "--out", str(base / "out"), *args, env={"BCP_LOCAL_WORLD_SIZE": "1"})
     assert job.finish(timeout=300) == 0, job.output[-6000:]
+    return job.output
 
 
 @pytest.mark.parametrize("framework", ["lightning", "accelerate", "hf"])
@@ -40,3 +43,19 @@ def test_framework_resumes_from_the_tiers_after_a_node_is_lost(tmp_path, framewo
     # steps 2, 4 (and, once resumed, 6) were drained: ordinary checkpoints, the newest loads anywhere
     assert bcp.resolve(str(tmp_path / "durable")).root.endswith("step_00000006")
     assert os.listdir(tmp_path / "memnew" / "bcp-memory" / "job")  # the new node holds steps of its own now
+
+    # node 0's copy of a step-6 file damaged (a flipped bit in RAM): the resume sets it aside and
+    # loads step 6 with that file from the new node's copy
+    step6 = tmp_path / "mem0" / "bcp-memory" / "job" / "step_00000006" / "data"
+    victim = sorted(step6.iterdir())[0]
+    data = bytearray(victim.read_bytes())
+    data[-10] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    output = _run(tmp_path, framework, "0,new", "--resume", "--steps", "6")
+    # (the step left memory since, with its damaged copy: steps 7 and 8 are kept)
+    assert f"damaged copies of step 6 set aside (renamed *.damaged): memory://job/step_00000006/{victim.parent.name}/" \
+        f"{victim.name} fails the checksum" in output, output[-6000:]
+    ref = torch.load(tmp_path / "out" / "ref_6.pt")
+    for r in (0, 1):
+        got = torch.load(tmp_path / "out" / f"resumed_rank{r}.pt")
+        assert got["step"] == 6 and all(torch.equal(got["params"][k], v) for k, v in ref["params"].items()), r

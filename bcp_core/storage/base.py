@@ -164,6 +164,9 @@ class Storage(ABC):
     # Whether the bytes live across a network (object stores, HDFS): reading once and sharing
     # between ranks pays off there, not for local disk or RAM.
     remote: ClassVar[bool] = True
+    # Whether each machine has files of its own under the same path (RAM): ranks of different nodes
+    # never read the same bytes, so a load shares work between the ranks of a node only.
+    node_local: ClassVar[bool] = False
 
     def __init__(self, root: str, fsync: bool = True):
         self.root = root

@@ -103,6 +103,7 @@ class MemoryStorage(LocalStorage):
     """
 
     schemes = ("memory",)
+    node_local = True
     FILE_MODE = 0o600
 
     def __init__(self, root: str, fsync: bool = True):

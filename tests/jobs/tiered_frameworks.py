@@ -64,7 +64,7 @@ def lightning(args, tiers) -> None:
                 _record(args.out, f"resumed_rank{trainer.global_rank}.pt", trainer.global_step, module)
 
         def on_train_batch_end(self, trainer, module, *_):
-            if trainer.is_global_zero and not args.resume:
+            if trainer.is_global_zero:
                 _record(args.out, f"ref_{trainer.global_step}.pt", trainer.global_step, module)
 
     x, y = _data()
@@ -106,7 +106,7 @@ def accelerate(args, tiers) -> None:
             optim.step()
             optim.zero_grad()
         acc.save_state()
-        if acc.is_main_process and not args.resume:
+        if acc.is_main_process:
             _record(args.out, f"ref_{acc.step}.pt", acc.step, acc.unwrap_model(model))
     ckpt.wait()
     acc.end_training()
@@ -143,7 +143,7 @@ def hf(args, tiers) -> None:
                 _record(args.out, f"resumed_rank{targs.process_index}.pt", state.global_step, model)
 
         def on_step_end(self, targs, state, control, model=None, **kw):
-            if state.is_world_process_zero and not args.resume:
+            if state.is_world_process_zero:
                 _record(args.out, f"ref_{state.global_step}.pt", state.global_step, model)
 
     targs = TrainingArguments(output_dir=os.path.join(args.base, "hf"), use_cpu=True, per_device_train_batch_size=4,
