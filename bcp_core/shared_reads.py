@@ -218,11 +218,23 @@ def _worst_fit(requesters: dict[tuple, list[int]], size, world_size: int) -> dic
 
 def _verify_once(reads: VerifiedReads, items: list[ReadItem], num_threads: int, comm: Comm,
                  wanted: list, hosts: list[str]) -> tuple[BaseException | None, dict]:
-    """Local files: every rank reads its own bytes; each block is verified once on each host, by
-    one of its ranks that read it (a block's copy on one host says nothing of another host's: a
-    node's own RAM, `Storage.node_local`)."""
-    block = reads.block
+    """Local files: every rank reads its own bytes; each block is verified once on each host
+    (`block_owners`)."""
+    owner = block_owners(wanted, hosts, comm.rank, reads.block)
     me = comm.rank
+    skip = {(reads.files[f], off + b * reads.block) for (f, off, b), r in owner.items() if r != me}
+    try:
+        reads.read_each(items, num_threads, skip)
+    except Exception as e:  # noqa: BLE001 - every rank must reach the agreement, or the others wait
+        return e, {}
+    return None, {"verified_blocks": sum(1 for r in owner.values() if r == me)}
+
+
+def block_owners(wanted: list, hosts: list[str], me: int, block: int) -> dict[tuple[int, int, int], int]:
+    """The rank that verifies each checksum block ((file, piece offset, block index)) that rank `me`
+    reads: one of the ranks of its host that read it (a block's copy on one host says nothing of
+    another host's: a node's own RAM, `Storage.node_local`). `wanted[r]`: rank r's blocks as
+    (file, piece offset, first block, end block, piece bytes). Same result on every rank of a host."""
     requesters: dict[tuple[int, int, int], list[int]] = {}  # (file, piece offset, block) -> ranks of this host
     sizes: dict[tuple[int, int, int], int] = {}
     for r, ranges in enumerate(wanted):
@@ -232,13 +244,7 @@ def _verify_once(reads: VerifiedReads, items: list[ReadItem], num_threads: int, 
             for b in range(b0, b1):
                 requesters.setdefault((f, off, b), []).append(r)
                 sizes[(f, off, b)] = min(block, nbytes - b * block)
-    owner = _worst_fit(requesters, sizes.__getitem__, comm.world_size)
-    skip = {(reads.files[f], off + b * block) for (f, off, b), r in owner.items() if r != me}
-    try:
-        reads.read_each(items, num_threads, skip)
-    except Exception as e:  # noqa: BLE001 - every rank must reach the agreement, or the others wait
-        return e, {}
-    return None, {"verified_blocks": sum(1 for r in owner.values() if r == me)}
+    return _worst_fit(requesters, sizes.__getitem__, len(wanted))
 
 
 # ----------------------------------------------------------------------------- transfers

@@ -149,3 +149,17 @@ def test_a_corrupted_block_fails_the_load_on_every_rank(results):
     own = [e for e in errors if e.startswith("checksum mismatch")]
     told = [e for e in errors if e.startswith("rank ") and "checksum mismatch" in e]
     assert len(own) == 1 and len(told) == 1, errors
+
+
+def test_a_block_is_verified_once_per_host_by_a_rank_of_that_host():
+    """Four ranks read the same two blocks: on one host each block is verified by one rank; on two
+    hosts (nodes simulated on one machine, memory:// copies of their own) once on each, never by a
+    rank of the other host."""
+    from bcp_core.shared_reads import block_owners
+    wanted = [[(0, 0, 0, 2, 8)]] * 4  # file 0, its piece at offset 0: blocks 0 and 1 of 4 bytes
+    one = [block_owners(wanted, ["h#0"] * 4, me, 4) for me in range(4)]
+    assert one[0] == one[3] and sorted(one[0].values()) == [0, 1]
+    two = ["h#0", "h#0", "h#1", "h#1"]
+    for me in range(4):
+        owners = block_owners(wanted, two, me, 4)
+        assert set(owners) == {(0, 0, 0), (0, 0, 1)} and all(two[r] == two[me] for r in owners.values()), (me, owners)
