@@ -218,8 +218,8 @@ class Located:
         """The step from the nodes' memory; where the load found damaged bytes (ChecksumError, the
         state untouched), the nodes holding the files it named check their copies, set aside those
         that are damaged (`_set_aside_damaged`), and the step is loaded again from the copies left,
-        up to `SET_ASIDE_ROUNDS` times. If the step is no longer whole in memory, ChecksumError says
-        which step a new load finds (`bcp.load` of the tiers then loads it)."""
+        up to `SET_ASIDE_ROUNDS` times. If the step is no longer whole in memory, DamagedStepError
+        says which step a new load finds (`bcp.load` of the tiers then loads it)."""
         at = self
         for round_ in range(SET_ASIDE_ROUNDS + 1):
             try:
@@ -322,6 +322,10 @@ def _fetch(comm: Comm, op: str, choice: Choice, step: Storage, view: Storage, ra
 
 # Loads again after damaged copies were set aside (each round sets aside at least one copy).
 SET_ASIDE_ROUNDS = 2
+# How long the ranks wait for each other to agree on what was damaged. They fail a load together,
+# within moments; a rank whose error came after the load's agreement (its own, while the others
+# succeeded) never comes, and each rank then raises its own error.
+AGREE_TIMEOUT = timedelta(seconds=60)
 DAMAGED_SUFFIX = ".damaged"  # a copy set aside: data/<file>.damaged (no load names it; it goes with the step)
 
 
@@ -333,7 +337,13 @@ def _set_aside_damaged(at: Located, error: BaseException) -> bool:
     it). Collective; every exchange bounded by the load's timeout."""
     comm, op, choice = at.comm, f"{at.op}/damaged", at.choice
     file = getattr(error, "file", None) if isinstance(error, ChecksumError) else None
-    named = sorted({f for f in comm.all_gather(file, f"{op}/named", at.timeout) if f in choice.files})
+    try:
+        named = sorted({f for f in comm.all_gather(file, f"{op}/named", min(at.timeout, AGREE_TIMEOUT))
+                        if f in choice.files})
+    except CommTimeoutError as e:
+        log.warning("bcp: rank %d: the ranks did not agree on damaged copies (%s); raising the load's error",
+                    comm.rank, str(e).splitlines()[0])
+        return False
     if not named:
         return False
     found: list[str] = []
