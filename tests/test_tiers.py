@@ -314,7 +314,7 @@ def test_a_replica_is_checked_against_the_writes_checksums(tmp_path):
     from bcp_core.engine import write_items
     from bcp_core.plan_records import RankValueKey, WriteItem
     from bcp_core.storage import LocalStorage
-    from bcp_core.tiers.replication import CopyCheck
+    from bcp_core.tiers.copy_check import CopyCheck
     st = LocalStorage(str(tmp_path))
     items = [WriteItem(f"t{i}", torch.arange(1000 * (i + 1), dtype=torch.float32), RankValueKey(f"t{i}"))
              for i in range(3)]

@@ -30,7 +30,7 @@ from ..save_queue import SaveHandle, SaveQueue
 from ..save_rounds import PROBE_FILE, SaveRounds, check_probes, mark_failed, tidy_root, write_probe
 from ..storage import Storage
 from ..storage.base import parse_temp_name, run_all
-from .replication import CopyCheck
+from .copy_check import CopyCheck
 from .transport import PART_BYTES
 
 log = logging.getLogger("bcp")

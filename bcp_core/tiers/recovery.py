@@ -47,7 +47,7 @@ from ..storage import Storage, storage_for
 from ..storage.base import parse_temp_name
 from ..utils import human_bytes
 from .placement import nodes_of
-from .replication import CopyCheck
+from .copy_check import CopyCheck
 from .policy import Tiers
 from .transport import Peer, tier_group
 

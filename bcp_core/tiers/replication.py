@@ -24,14 +24,14 @@ import threading
 import time
 from datetime import timedelta
 
-import numpy as np
 import xxhash
 
 from .. import metrics
 from ..comm import Comm
 from ..errors import StorageError
-from ..metadata import CHECKSUM_BLOCK_BYTES, MAX_BYTES, num_blocks, parse_json
+from ..metadata import CHECKSUM_BLOCK_BYTES, MAX_BYTES, parse_json
 from ..storage import Storage
+from .copy_check import CopyCheck
 from .placement import Placement
 from .transport import Pacer, Peer, PeerFailed, tier_group
 
@@ -171,69 +171,6 @@ def _check_entry(entry, sender: int) -> tuple[str, int]:
     if not ok:
         raise StorageError(f"the replica manifest of rank {sender} is malformed at {str(entry)[:200]!r}")
     return entry[0], entry[1]
-
-
-class CopyCheck:
-    """Why a copy is not the file its manifest entry describes, checked on its bytes as they arrive
-    in order (`feed`), or None (`wrong`): its header's digest, each piece's block checksums (those of
-    the write), and zeros in between (the padding)."""
-
-    def __init__(self, entry: list, block: int):
-        _, self.size, header, self.digest, pieces = entry
-        self.problem: str | None = None
-        # the file's runs in order: (start, end, what they must be: "header", "zeros", or a checksum)
-        self.runs: list[tuple[int, int, object]] = [(0, header, "header")]
-        pos = header
-        for off, n, sums in sorted(pieces):
-            if off < pos:
-                self.problem = f"overlaps bytes [{off}, {pos}) of two pieces"
-                break
-            if len(sums) != num_blocks(n, block):
-                self.problem = f"was described with {len(sums)} checksums for {n} bytes"
-                break
-            if off > pos:
-                self.runs.append((pos, off, "zeros"))
-            self.runs.extend((off + b * block, off + min(n, (b + 1) * block), s) for b, s in enumerate(sums))
-            pos = off + n
-        if pos < self.size:
-            self.runs.append((pos, self.size, "zeros"))
-        self.run, self.hash, self.pos = 0, xxhash.xxh3_64(), 0
-
-    @classmethod
-    def for_file(cls, data: memoryview, pieces, block: int) -> CopyCheck:
-        """A check of the file whose bytes are `data` (a node's copy in memory, read whole or fed in
-        parts) against `pieces` ((byte offset, bytes, checksums), as the write computed them). Its header is
-        taken as it is: a load reads the pieces, where the metadata places them."""
-        size = len(data)
-        header = min(8 + int.from_bytes(bytes(data[:8]), "little"), size) if size >= 8 else size
-        return cls([None, size, header, xxhash.xxh3_64_hexdigest(data[:header]),
-                    [[off, n, list(sums)] for off, n, sums in pieces]], block)
-
-    def feed(self, data: memoryview, at: int) -> None:
-        """The copy's bytes [at, at + len(data)), right after those fed before."""
-        if at != self.pos:
-            self.problem = self.problem or f"arrived out of order at byte {at}"
-        self.pos = at + len(data)
-        while len(data) and self.problem is None and self.run < len(self.runs):
-            lo, hi, want = self.runs[self.run]
-            take = min(len(data), hi - at)
-            if want == "zeros":
-                if np.frombuffer(data[:take], dtype=np.uint8).any():
-                    self.problem = f"has bytes in [{lo}, {hi}) the original has not"
-            else:
-                self.hash.update(data[:take])
-            at, data = at + take, data[take:]
-            if at == hi:
-                if want == "header" and self.hash.hexdigest() != self.digest:
-                    self.problem = "has another header than the original"
-                elif want not in ("header", "zeros") and self.hash.intdigest() != want:
-                    self.problem = f"fails the checksum of bytes [{lo}, {hi})"
-                self.run, self.hash = self.run + 1, xxhash.xxh3_64()
-
-    def wrong(self) -> str | None:
-        if self.problem is None and self.pos != self.size:
-            return f"ended at byte {self.pos} of {self.size}"
-        return self.problem
 
 
 def _check_name(rel: str) -> None:
