@@ -165,7 +165,9 @@ def _cpu_job(root: str, a: dict) -> dict:
             dist.recv(dst[lo:lo + PART_BYTES], other, group=group, tag=1)
         sender.join()
         cpu.append(_process_cpu() - c0)
-    out["exchange_alone"] = {"bytes": written, "cpu_s": _max_all([min(cpu)])[0]}
+    slowest = torch.tensor([min(cpu)], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)  # of the pair only
+    out["exchange_alone"] = {"bytes": written, "cpu_s": slowest.item()}
     return out
 
 
