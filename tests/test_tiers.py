@@ -221,6 +221,45 @@ def test_a_damaged_copy_is_set_aside_and_a_failed_recovery_leaves_the_state_unto
         assert "no whole step" in message and "survive on no node" in message and "r0_" in message, message
 
 
+def _fails_after_the_agreement(rank, world, base):
+    """Rank 1's optimizer refuses its state once the load's ranks agreed that every byte is read and
+    verified (rank 0 loads): rank 1 raises its own error within the damaged-copy agreement's bound."""
+    import time
+    from datetime import timedelta
+
+    from bcp_core.tiers import recovery
+    _on_node(rank, base)
+    recovery.AGREE_TIMEOUT = timedelta(seconds=2)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+
+    class Refusing(torch.optim.SGD):
+        def load_state_dict(self, state_dict):
+            if rank == 1:
+                raise RuntimeError("injected: this optimizer refuses its state")
+            super().load_state_dict(state_dict)
+    opt = Refusing(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    tiers = _tiers(base, durable=None, persist_every=None)
+    bcp.save(tiers, {"model": model, "optimizer": opt}, step=1, async_save=True).wait()
+    t0 = time.monotonic()
+    try:
+        bcp.load(tiers, {"model": model, "optimizer": opt})
+        return "loaded", time.monotonic() - t0
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return f"{type(e).__name__}: {e}", time.monotonic() - t0
+
+
+def test_an_error_on_one_rank_after_the_loads_agreement_is_raised_there_within_a_bound(tmp_path, monkeypatch):
+    """A load of the tiers that fails on one rank only, after every rank verified its bytes, does not
+    wait out the load's timeout looking for damaged copies: that rank raises its own error within
+    the agreement's bound (2 s here), the other has loaded."""
+    monkeypatch.setenv("BCP_LOCAL_WORLD_SIZE", "1")
+    (loaded, _), (error, waited) = run_ranks(2, _fails_after_the_agreement, str(tmp_path), timeout=120)
+    assert loaded == "loaded" and error.startswith("RuntimeError: injected") and waited < 30, (error, waited)
+
+
 @pytest.mark.slow
 def test_failure_domains_keep_each_copy_out_of_its_nodes_domain(tmp_path, monkeypatch):
     """4 nodes in 2 racks: each node's files are copied to a node of the other rack."""
