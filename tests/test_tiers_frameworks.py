@@ -4,7 +4,8 @@
 tiers)`). 2 ranks under torchrun, each a simulated node with a memory directory of its own; after 4
 steps saved, node 1's memory is removed and a replacement node (empty memory) resumes: step 4, every
 parameter as saved, and training goes on; then, node 0's copy of a step-6 file damaged, the next
-resume sets it aside and loads step 6 from the other node's copy. (Megatron-LM:
+resume sets it aside and loads step 6 from the other node's copy; with both copies of a step-8 file
+damaged, the resume takes the durable step 8 (the HF Trainer at its restart). (Megatron-LM:
 test_megatron_lm_tiers.py.)"""
 
 from __future__ import annotations
@@ -48,14 +49,39 @@ def test_framework_resumes_from_the_tiers_after_a_node_is_lost(tmp_path, framewo
     # loads step 6 with that file from the new node's copy
     step6 = tmp_path / "mem0" / "bcp-memory" / "job" / "step_00000006" / "data"
     victim = sorted(step6.iterdir())[0]
-    data = bytearray(victim.read_bytes())
-    data[-10] ^= 0xFF
-    victim.write_bytes(bytes(data))
+    _flip(victim)
     output = _run(tmp_path, framework, "0,new", "--resume", "--steps", "6")
     # (the step left memory since, with its damaged copy: steps 7 and 8 are kept)
     assert f"damaged copies of step 6 set aside (renamed *.damaged): memory://job/step_00000006/{victim.parent.name}/" \
         f"{victim.name} fails the checksum" in output, output[-6000:]
-    ref = torch.load(tmp_path / "out" / "ref_6.pt")
+    _resumed_at(tmp_path, 6)
+
+    # both nodes' copies of a step-8 file damaged (step 8 was drained before): no whole step 8 is left
+    # in memory, and the newest whole step is the durable step 8. Lightning and Accelerate load it;
+    # the HF Trainer, which read step 8's trainer state from memory first, stops with
+    # DamagedStepError, the state untouched, and its restart loads it
+    for node in ("mem0", "memnew"):
+        _flip(sorted((tmp_path / node / "bcp-memory" / "job" / "step_00000008" / "data").iterdir())[0])
+    if framework == "hf":
+        job = Job("tiered_frameworks.py", 2, "--framework", framework, "--base", str(tmp_path), "--memory", "0,new",
+                  "--out", str(tmp_path / "out"), "--resume", "--steps", "8", env={"BCP_LOCAL_WORLD_SIZE": "1"})
+        assert job.finish(timeout=300) != 0 and "DamagedStepError" in job.output, job.output[-6000:]
+        assert "a new load finds step 8 (durable)" in job.output, job.output[-6000:]
+    output = _run(tmp_path, framework, "0,new", "--resume", "--steps", "8")
+    assert "no whole step in memory newer than step 8 in durable storage" in output, output[-6000:]
+    _resumed_at(tmp_path, 8)
+
+
+def _flip(path) -> None:
+    """A bit flipped in a data file's last piece (as in RAM after the write checked it)."""
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _resumed_at(base, step: int) -> None:
+    """Every rank resumed at `step` with every parameter as saved there."""
+    ref = torch.load(base / "out" / f"ref_{step}.pt")
     for r in (0, 1):
-        got = torch.load(tmp_path / "out" / f"resumed_rank{r}.pt")
-        assert got["step"] == 6 and all(torch.equal(got["params"][k], v) for k, v in ref["params"].items()), r
+        got = torch.load(base / "out" / f"resumed_rank{r}.pt")
+        assert got["step"] == step and all(torch.equal(got["params"][k], v) for k, v in ref["params"].items()), r

@@ -128,11 +128,23 @@ def load_tiered(tiers: Tiers, state: dict, framework: str = "auto", strict: bool
     if mapping is not None:
         raise ValueError("a mapped load reads one checkpoint: load the step of a tiered root by its path "
                          "(Tiers.durable's step directory) with mapping=")
+    return load_newest(tiers, lambda _: state, process_group=process_group, timeout=timeout, framework=framework,
+                       strict=strict, allow_pickle=allow_pickle, verify_checksums=verify_checksums,
+                       num_threads=num_threads, share_reads=share_reads)[2]
+
+
+def load_newest(tiers: Tiers, state_for, *, process_group=None, timeout: timedelta = DEFAULT_TIMEOUT,
+                **load_args) -> tuple[Located, dict, LoadResult]:
+    """`locate`, then `Located.load` of the state `state_for(located)` makes (a caller that asks the
+    step's metadata what to load makes it there); where damaged copies set aside leave that step
+    incomplete in memory (`DamagedStepError`), the same with the newest whole step then, at most
+    `SET_ASIDE_ROUNDS` more times. The located step, the state loaded and the load's result.
+    Collective."""
     for round_ in range(SET_ASIDE_ROUNDS + 1):
+        located = locate(tiers, process_group=process_group, timeout=timeout)
+        state = state_for(located)
         try:
-            return locate(tiers, process_group=process_group, timeout=timeout).load(
-                state, framework, strict, allow_pickle=allow_pickle, verify_checksums=verify_checksums,
-                num_threads=num_threads, share_reads=share_reads)
+            return located, state, located.load(state, **load_args)
         except DamagedStepError:
             if round_ == SET_ASIDE_ROUNDS:
                 raise

@@ -63,6 +63,10 @@ class BCPAccelerateCheckpointer:
         self._total_limit: int | None = None  # the project's, hidden from Accelerate during a call
         self._loaded_step: int | None = None
         self.loaded_path: str | None = None  # where the last load_state read from
+        # The tiers' step of the last save_state() or load_state(): the save_state() calls, continued
+        # from the step loaded. Not `accelerator.step`, which Accelerate sets back to 0 at the end of
+        # each pass over a prepared dataloader: a step saved twice would clear the newer ones.
+        self.step = 0
         self.handles = [accelerator.register_save_state_pre_hook(self._save_hook),
                         accelerator.register_load_state_pre_hook(self._load_hook)]
         self._stepped: set[int] = set()  # ids of the optimizers that have stepped, until prepared
@@ -196,7 +200,8 @@ class BCPAccelerateCheckpointer:
         rotate = None
         acc = self.accelerator
         if self.tiers is not None:  # every node's memory, its replicas, durable every N-th step (docs/tiers.md)
-            self.pending.start(bcp.save(self.tiers, state, step=int(acc.step), async_save=self.async_save,
+            self.step += 1
+            self.pending.start(bcp.save(self.tiers, state, step=self.step, async_save=self.async_save,
                                         num_threads=self.num_threads))
             weights.clear()
             return
@@ -216,6 +221,8 @@ class BCPAccelerateCheckpointer:
         state.update(self._stateful_loaders())
         result = bcp.load(self.tiers if self.tiers is not None else input_dir, state, num_threads=self.num_threads)
         self.loaded_path = result.path
+        if self.tiers is not None:
+            self.step = result.step
         extra = state["extra_state"]
         set_rng_state(extra["rng"])
         self._loaded_step = extra["step"]
@@ -240,10 +247,11 @@ def register(accelerator: Accelerator, async_save: bool = True, num_threads: int
     of every process); the loop then asks ``ckpt.stop_requested()`` after each step and, when it
     is True, calls ``accelerator.save_state(dir)`` and ``ckpt.preemption.exit()``.
 
-    ``tiers=bcp.Tiers(...)``: every ``save_state()`` goes to the tiers as step ``accelerator.step``
-    (each node's memory, its replicas on other nodes, durable storage every ``persist_every``-th
-    step; the folder Accelerate names is left empty), and ``load_state()`` loads the newest step that
-    survives anywhere, at any number of processes (docs/tiers.md).
+    ``tiers=bcp.Tiers(...)``: every ``save_state()`` goes to the tiers (each node's memory, its
+    replicas on other nodes, durable storage every ``persist_every``-th step; the folder Accelerate
+    names is left empty) as the next step: ``ckpt.step``, the save_state() calls so far, continued
+    from the step ``load_state()`` loaded (the newest that survives anywhere, at any number of
+    processes; docs/tiers.md).
     """
     if getattr(accelerator, "_bcp_checkpointer", None) is not None:
         ckpt = accelerator._bcp_checkpointer

@@ -31,7 +31,7 @@ from bcp_core.integration import companions
 from bcp_core.layout import remove_checkpoint, remove_superseded
 from bcp_core.metadata import parse_json
 from bcp_core.rng import rng_state, set_rng_state
-from bcp_core.tiers import locate
+from bcp_core.tiers import load_newest
 
 log = logging.getLogger("bcp")
 
@@ -218,14 +218,11 @@ class BCPCheckpointIO(CheckpointIO):
             for logger in trainer.loggers:
                 logger.log_metrics(values, step=trainer.global_step)
 
-    def load_all_ranks(self, strategy: Strategy, path) -> dict[str, Any]:
-        self.wait()
-        self.log_metrics(strategy)  # also starts collecting, so this load's timings are logged later
-        located = locate(path) if isinstance(path, bcp.Tiers) else None  # the newest step that survives
-        keys = located.metadata.keys() if located is not None else bcp.inspect(path).keys()
+    @staticmethod
+    def _state_for(strategy: Strategy, keys) -> dict[str, Any]:
+        """What to load, given the keys the checkpoint holds."""
         state: dict[str, Any] = {"model": strategy.model, "lightning": None}
-        has_optimizers = any(k.startswith("optimizer_0.") for k in keys)
-        if has_optimizers:
+        if any(k.startswith("optimizer_0.") for k in keys):
             for i, opt in enumerate(strategy.optimizers):
                 state[f"optimizer_{i}"] = opt
             state.update({k: v for k, v in companions([strategy.model], state).items()
@@ -234,11 +231,19 @@ class BCPCheckpointIO(CheckpointIO):
             state["extra_state"] = {}
         for name in {k.split(".", 1)[0] for k in keys if _LOADER_KEY.match(k.split(".", 1)[0])}:
             state[name] = {}  # the live loaders do not exist yet: Lightning restores them later
-        if located is not None:
-            located.load(state, allow_pickle=self.allow_pickle, num_threads=self.num_threads)
+        return state
+
+    def load_all_ranks(self, strategy: Strategy, path) -> dict[str, Any]:
+        self.wait()
+        self.log_metrics(strategy)  # also starts collecting, so this load's timings are logged later
+        if isinstance(path, bcp.Tiers):  # the newest step that survives (also after damaged copies)
+            located, state, _ = load_newest(path, lambda at: self._state_for(strategy, at.metadata.keys()),
+                                            allow_pickle=self.allow_pickle, num_threads=self.num_threads)
             self._tier_step = located.step
         else:
+            state = self._state_for(strategy, bcp.inspect(path).keys())
             bcp.load(path, state, allow_pickle=self.allow_pickle, num_threads=self.num_threads)
+        has_optimizers = "optimizer_0" in state
         checkpoint = codec.decode(parse_json(state["lightning"], f"the Lightning checkpoint value of {path}"),
                                   "Lightning checkpoint", self.allow_pickle)
         _restore_loader_states(strategy, checkpoint, state)

@@ -15,6 +15,7 @@ step and the parameters right after the load), then trains on to --steps + 2.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 
 import torch
@@ -93,21 +94,21 @@ def accelerate(args, tiers) -> None:
     start = 0
     if args.resume:
         acc.load_state()
-        start = acc.step
+        start = ckpt.step  # the tiers' step loaded: save_state() calls, one a step here
         _record(args.out, f"resumed_rank{acc.process_index}.pt", start, acc.unwrap_model(model))
-    batches = iter(loader)
-    for _ in range(start):  # the data already seen
-        next(batches)
-    for _ in range(start + 1, args.steps + (2 if args.resume else 0) + 1):
+    # pass after pass over the data (Accelerate sets accelerator.step back to 0 after each), the
+    # batches already seen skipped
+    batches = itertools.islice(itertools.chain.from_iterable(itertools.repeat(loader)), start, None)
+    for step in range(start + 1, args.steps + (2 if args.resume else 0) + 1):
         bx, by = next(batches)
         with acc.accumulate(model):
             loss = nn.functional.mse_loss(model(bx), by)
             acc.backward(loss)
             optim.step()
             optim.zero_grad()
-        acc.save_state()
+        acc.save_state()  # (accelerator.step goes back to 0 after the loader's last batch: not the step)
         if acc.is_main_process:
-            _record(args.out, f"ref_{acc.step}.pt", acc.step, acc.unwrap_model(model))
+            _record(args.out, f"ref_{step}.pt", step, acc.unwrap_model(model))
     ckpt.wait()
     acc.end_training()
 
