@@ -198,8 +198,8 @@ def _flip_last_byte(path):
 
 def test_a_damaged_copy_is_set_aside_and_a_failed_recovery_leaves_the_state_untouched(tmp_path, monkeypatch):
     """Node 1 lost and node 0's copy of a step-3 file damaged, no other copy: the load of step 3
-    fails its checksum (the state untouched), node 0 sets the copy aside, and the load takes the
-    newest whole step, 2. With node 0's own files of steps 2 and 3 gone too, no step is whole (k = 0
+    fails its checksum, node 0 sets the copy aside, and the load takes the newest whole step, 2,
+    every row of it. With node 0's own files of steps 2 and 3 gone too, no step is whole (k = 0
     here) and no durable step exists: a one-line error naming what is missing, the state untouched."""
     base = str(tmp_path)
     monkeypatch.setenv("BCP_LOCAL_WORLD_SIZE", "1")
