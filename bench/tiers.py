@@ -108,6 +108,18 @@ def _step_job(system: str, root: str, a: dict) -> dict:
     return out
 
 
+def _trained(a: dict):
+    """The DDP transformer and its AdamW after two steps (the moments exist)."""
+    model, optim = _model("ddp-transformer", 0, 0, a["d_model"], a["tf_layers"])
+    x = torch.randn(a["tf_batch"], a["seq"], a["d_model"])
+    for _ in range(2):
+        loss = model(x).square().mean()
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        optim.step()
+    return model, optim
+
+
 def _process_cpu() -> float:
     import resource
     ru = resource.getrusage(resource.RUSAGE_SELF)
@@ -121,13 +133,7 @@ def _cpu_job(root: str, a: dict) -> dict:
 
     import bcp_core as bcp
     _as_node(root)
-    model, optim = _model("ddp-transformer", 0, 0, a["d_model"], a["tf_layers"])
-    x = torch.randn(a["tf_batch"], a["seq"], a["d_model"])
-    for _ in range(2):
-        loss = model(x).square().mean()
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        optim.step()
+    model, optim = _trained(a)
     state = {"model": model.module, "optimizer": optim}
     out, written = {}, 0
     for k in (0, 1):
@@ -197,13 +203,7 @@ def _recovery_job(mem_root: str, root: str, a: dict) -> dict:
 
     import bcp_core as bcp
     _as_node(mem_root)
-    model, optim = _model("ddp-transformer", 0, 0, a["d_model"], a["tf_layers"])
-    x = torch.randn(a["tf_batch"], a["seq"], a["d_model"])
-    for _ in range(2):
-        loss = model(x).square().mean()
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        optim.step()
+    model, optim = _trained(a)
     state = {"model": model.module, "optimizer": optim}
     tiers = _tiers(root)
     bcp.save(tiers, state, step=1, async_save=True).wait()

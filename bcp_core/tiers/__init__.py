@@ -7,6 +7,7 @@ durable storage; recovery from the newest whole step at any world size (docs/tie
     memory_tier.py  a tiered save as the save driver runs it: replicate, then record on every node
     replication.py  each node's files copied to its replica nodes before the step commits
     copy_check.py   whether a copy of a data file is the file the save wrote
+    fetch.py        a tiered load's byte ranges a node lacks: who sends which, the view, the transfers
     drain.py        every N-th step from memory to durable storage, in the background
     recovery.py     `bcp.load(tiers, state)`: the newest whole step, fetched from the nodes holding it;
                     `locate(tiers)` finds it first, for callers that ask its metadata what to load,
