@@ -224,7 +224,6 @@ def test_a_damaged_copy_is_set_aside_and_a_failed_recovery_leaves_the_state_unto
 def _fails_after_the_agreement(rank, world, base):
     """Rank 1's optimizer refuses its state once the load's ranks agreed that every byte is read and
     verified (rank 0 loads): rank 1 raises its own error within the damaged-copy agreement's bound."""
-    import time
     from datetime import timedelta
 
     from bcp_core.tiers import recovery
@@ -243,21 +242,21 @@ def _fails_after_the_agreement(rank, world, base):
     opt.step()
     tiers = _tiers(base, durable=None, persist_every=None)
     bcp.save(tiers, {"model": model, "optimizer": opt}, step=1, async_save=True).wait()
-    t0 = time.monotonic()
     try:
         bcp.load(tiers, {"model": model, "optimizer": opt})
-        return "loaded", time.monotonic() - t0
+        return "loaded"
     except Exception as e:  # noqa: BLE001 - reported to the test
-        return f"{type(e).__name__}: {e}", time.monotonic() - t0
+        return f"{type(e).__name__}: {e}"
 
 
 def test_an_error_on_one_rank_after_the_loads_agreement_is_raised_there_within_a_bound(tmp_path, monkeypatch):
     """A load of the tiers that fails on one rank only, after every rank verified its bytes, does not
-    wait out the load's timeout looking for damaged copies: that rank raises its own error within
-    the agreement's bound (2 s here), the other has loaded."""
+    wait out the load's timeout (10 min) looking for damaged copies: that rank raises its own error
+    once the agreement's bound (2 s here) passed, well within the job's 120 s, and the other has
+    loaded."""
     monkeypatch.setenv("BCP_LOCAL_WORLD_SIZE", "1")
-    (loaded, _), (error, waited) = run_ranks(2, _fails_after_the_agreement, str(tmp_path), timeout=120)
-    assert loaded == "loaded" and error.startswith("RuntimeError: injected") and waited < 30, (error, waited)
+    loaded, error = run_ranks(2, _fails_after_the_agreement, str(tmp_path), timeout=120)
+    assert loaded == "loaded" and error.startswith("RuntimeError: injected"), error
 
 
 @pytest.mark.slow
