@@ -15,7 +15,7 @@ import torch
 import bcp_core as bcp
 from bcp_core.tiers.placement import PlacementError, nodes_of, place
 from dist import bcp_verify, run_ranks
-from tiered_state import COLS, ROWS, advance, expected, initial
+from tiered_state import COLS, ROWS, advance, expected, flip_last_byte, initial
 
 
 # ----------------------------------------------------------------------------- policy and placement
@@ -179,21 +179,13 @@ def test_a_failed_replica_fails_the_save_on_every_rank_and_commits_it_nowhere(tm
     # node 0's copy of a step-3 file damaged (a flipped bit in RAM): the load fails its checksum,
     # node 0 sets its copy aside, and step 3 loads again with that file from node 1's copy
     step3 = tmp_path / "mem0" / "bcp-memory" / "job" / "step_00000003" / "data"
-    victim = _flip_last_byte(sorted(step3.iterdir())[0])
+    victim = flip_last_byte(sorted(step3.iterdir())[0])
     assert run_ranks(4, _load, base) == [(3, "memory", True)] * 4
     assert not victim.exists() and victim.with_name(victim.name + ".damaged").exists()
     for node in ("mem0", "mem1"):
         os.remove(tmp_path / node / "bcp-memory" / "job" / "step_00000003" / "bcp_metadata.json")
     assert run_ranks(4, _load, base, None, False, {"durable": None, "persist_every": None}) == \
         [(1, "memory", True)] * 4
-
-
-def _flip_last_byte(path):
-    """A bit flipped in a data file's last piece (as in RAM after the write checked it)."""
-    data = bytearray(path.read_bytes())
-    data[-10] ^= 0xFF
-    path.write_bytes(bytes(data))
-    return path
 
 
 def test_a_damaged_copy_is_set_aside_and_a_failed_recovery_leaves_the_state_untouched(tmp_path, monkeypatch):
@@ -205,7 +197,7 @@ def test_a_damaged_copy_is_set_aside_and_a_failed_recovery_leaves_the_state_unto
     monkeypatch.setenv("BCP_LOCAL_WORLD_SIZE", "1")
     assert run_ranks(2, _save, base, [1, 2, 3]) == [{}] * 2
     step3 = tmp_path / "mem0" / "bcp-memory" / "job" / "step_00000003" / "data"
-    victim = _flip_last_byte(sorted(step3.iterdir())[-1])
+    victim = flip_last_byte(sorted(step3.iterdir())[-1])
     import shutil
     shutil.rmtree(tmp_path / "mem1")
     shutil.rmtree(tmp_path / "durable")
@@ -329,7 +321,7 @@ def test_a_damaged_copy_is_never_drained_and_a_load_takes_the_newest_whole_step(
     flipped = []
 
     def flip(call):  # the drain maps the file to copy it
-        flipped.append(_flip_last_byte(tmp_path / "bcp-memory" / call.path[len("memory://"):]))
+        flipped.append(flip_last_byte(tmp_path / "bcp-memory" / call.path[len("memory://"):]))
     with inject(Fault("map", hook=flip, path="*/step_00000004/data/*")):
         bcp.save(tiers, {"w": torch.arange(6.0) * 2, "step": 4}, step=4).wait()
         drains.wait_all(60)

@@ -18,6 +18,7 @@ import torch
 
 import bcp_core as bcp
 from dist import Job
+from tiered_state import flip_last_byte
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +50,7 @@ def test_framework_resumes_from_the_tiers_after_a_node_is_lost(tmp_path, framewo
     # loads step 6 with that file from the new node's copy
     step6 = tmp_path / "mem0" / "bcp-memory" / "job" / "step_00000006" / "data"
     victim = sorted(step6.iterdir())[0]
-    _flip(victim)
+    flip_last_byte(victim)
     output = _run(tmp_path, framework, "0,new", "--resume", "--steps", "6")
     # (the step left memory since, with its damaged copy: steps 7 and 8 are kept)
     assert f"damaged copies of step 6 set aside (renamed *.damaged): memory://job/step_00000006/{victim.parent.name}/" \
@@ -61,7 +62,7 @@ def test_framework_resumes_from_the_tiers_after_a_node_is_lost(tmp_path, framewo
     # the HF Trainer, which read step 8's trainer state from memory first, stops with
     # DamagedStepError, the state untouched, and its restart loads it
     for node in ("mem0", "memnew"):
-        _flip(sorted((tmp_path / node / "bcp-memory" / "job" / "step_00000008" / "data").iterdir())[0])
+        flip_last_byte(sorted((tmp_path / node / "bcp-memory" / "job" / "step_00000008" / "data").iterdir())[0])
     if framework == "hf":
         job = Job("tiered_frameworks.py", 2, "--framework", framework, "--base", str(tmp_path), "--memory", "0,new",
                   "--out", str(tmp_path / "out"), "--resume", "--steps", "8", env={"BCP_LOCAL_WORLD_SIZE": "1"})
@@ -70,13 +71,6 @@ def test_framework_resumes_from_the_tiers_after_a_node_is_lost(tmp_path, framewo
     output = _run(tmp_path, framework, "0,new", "--resume", "--steps", "8")
     assert "no whole step in memory newer than step 8 in durable storage" in output, output[-6000:]
     _resumed_at(tmp_path, 8)
-
-
-def _flip(path) -> None:
-    """A bit flipped in a data file's last piece (as in RAM after the write checked it)."""
-    data = bytearray(path.read_bytes())
-    data[-10] ^= 0xFF
-    path.write_bytes(bytes(data))
 
 
 def _resumed_at(base, step: int) -> None:
