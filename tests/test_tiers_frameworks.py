@@ -5,8 +5,8 @@ tiers)`). 2 ranks under torchrun, each a simulated node with a memory directory 
 steps saved, node 1's memory is removed and a replacement node (empty memory) resumes: step 4, every
 parameter as saved, and training goes on; then, node 0's copy of a step-6 file damaged, the next
 resume sets it aside and loads step 6 from the other node's copy; with both copies of a step-8 file
-damaged, the resume takes the durable step 8 (the HF Trainer at its restart). (Megatron-LM:
-test_megatron_lm_tiers.py.)"""
+damaged, the resume takes the durable step 8; with both copies of the newer step 9 damaged, too.
+(Megatron-LM: test_megatron_lm_tiers.py.)"""
 
 from __future__ import annotations
 
@@ -58,19 +58,24 @@ def test_framework_resumes_from_the_tiers_after_a_node_is_lost(tmp_path, framewo
     _resumed_at(tmp_path, 6)
 
     # both nodes' copies of a step-8 file damaged (step 8 was drained before): no whole step 8 is left
-    # in memory, and the newest whole step is the durable step 8. Lightning and Accelerate load it;
-    # the HF Trainer, which read step 8's trainer state from memory first, stops with
-    # DamagedStepError, the state untouched, and its restart loads it
-    for node in ("mem0", "memnew"):
-        flip_last_byte(sorted((tmp_path / node / "bcp-memory" / "job" / "step_00000008" / "data").iterdir())[0])
-    if framework == "hf":
-        job = Job("tiered_frameworks.py", 2, "--framework", framework, "--base", str(tmp_path), "--memory", "0,new",
-                  "--out", str(tmp_path / "out"), "--resume", "--steps", "8", env={"BCP_LOCAL_WORLD_SIZE": "1"})
-        assert job.finish(timeout=300) != 0 and "DamagedStepError" in job.output, job.output[-6000:]
-        assert "a new load finds step 8 (durable)" in job.output, job.output[-6000:]
-    output = _run(tmp_path, framework, "0,new", "--resume", "--steps", "8")
+    # in memory, and the newest whole step is the durable step 8 (the HF Trainer, which read step
+    # 8's trainer state from memory first, starts again from it). Training goes on to step 9 only.
+    _damage_both_copies(tmp_path, 8)
+    output = _run(tmp_path, framework, "0,new", "--resume", "--steps", "7")
     assert "no whole step in memory newer than step 8 in durable storage" in output, output[-6000:]
     _resumed_at(tmp_path, 8)
+
+    # both copies of a step-9 file damaged: step 9 (never drained) is found first, its load sets the
+    # copies aside, and the job resumes from the durable step 8 with step 8's trainer state
+    _damage_both_copies(tmp_path, 9)
+    output = _run(tmp_path, framework, "0,new", "--resume", "--steps", "8")
+    assert "leaves step 9 incomplete in memory: a new load finds step 8 (durable)" in output, output[-6000:]
+    _resumed_at(tmp_path, 8)
+
+
+def _damage_both_copies(base, step: int) -> None:
+    for node in ("mem0", "memnew"):
+        flip_last_byte(sorted((base / node / "bcp-memory" / "job" / f"step_{step:08d}" / "data").iterdir())[0])
 
 
 def _resumed_at(base, step: int) -> None:

@@ -107,9 +107,10 @@ def load_newest(tiers: Tiers, state_for, *, process_group=None, timeout: timedel
         state = state_for(located)
         try:
             return located, state, located.load(state, **load_args)
-        except DamagedStepError:
+        except DamagedStepError as e:
             if round_ == SET_ASIDE_ROUNDS:
                 raise
+            log.warning("bcp: %s; loading that step", e)
     raise AssertionError("unreachable")
 
 

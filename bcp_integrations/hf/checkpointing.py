@@ -30,6 +30,7 @@ from bcp_core.integration import restore_rng, run_state
 from bcp_core.layout import HF_STEPS, latest_complete, list_checkpoints
 from bcp_core.rng import set_rng_state
 from bcp_core.tiers import locate
+from bcp_core.tiers.recovery import SET_ASIDE_ROUNDS
 from bcp_core.utils import this_rank
 
 log = logging.getLogger("bcp")
@@ -258,22 +259,33 @@ class BCPTrainerMixin:
         """Resume from the newest step of `tiers` that survives (collective). The Trainer reads the
         trainer state from a folder before any hook runs: each process gets one of its own, holding
         the step's trainer_state.json (from the step's metadata: no data file is read); the state
-        itself is loaded from the tiers by the overridden loads below."""
+        itself is loaded from the tiers by the overridden loads below.
+
+        Where that load sets damaged copies aside and leaves the step incomplete in memory
+        (`DamagedStepError`: nothing was loaded, no step trained), the Trainer already read that
+        step's trainer state: training starts again from the step a new `locate` finds, with that
+        step's trainer state, at most `SET_ASIDE_ROUNDS` more times."""
         self.bcp.wait()
-        self._bcp_located = locate(tiers)
-        md = self._bcp_located.metadata
-        if "trainer_state" not in md.objects:
-            raise bcp.KeyMismatchError(f"step {self._bcp_located.step} of {tiers.memory} holds no trainer state: "
-                                       "it was not saved by BCPTrainer")
-        folder = tempfile.mkdtemp(prefix=f"bcp-resume-{self._bcp_located.step}-")
-        with open(os.path.join(folder, TRAINER_STATE_NAME), "w") as f:
-            f.write(codec.decode(md.objects["trainer_state"].encoded, "trainer_state", False))
-        self._bcp_resume_folder = folder
-        try:
-            return super().train(folder, *args, **kwargs)
-        finally:
-            self._bcp_located = self._bcp_resume_folder = None
-            shutil.rmtree(folder, ignore_errors=True)
+        for round_ in range(SET_ASIDE_ROUNDS + 1):
+            self._bcp_located = locate(tiers)
+            md = self._bcp_located.metadata
+            if "trainer_state" not in md.objects:
+                raise bcp.KeyMismatchError(f"step {self._bcp_located.step} of {tiers.memory} holds no trainer state: "
+                                           "it was not saved by BCPTrainer")
+            folder = tempfile.mkdtemp(prefix=f"bcp-resume-{self._bcp_located.step}-")
+            with open(os.path.join(folder, TRAINER_STATE_NAME), "w") as f:
+                f.write(codec.decode(md.objects["trainer_state"].encoded, "trainer_state", False))
+            self._bcp_resume_folder, self._bcp_damaged = folder, None
+            try:
+                return super().train(folder, *args, **kwargs)
+            except bcp.DamagedStepError as e:
+                if e is not self._bcp_damaged or round_ == SET_ASIDE_ROUNDS:
+                    raise
+                log.warning("%s; training starts again from that step", e)
+            finally:
+                self._bcp_located = self._bcp_resume_folder = None
+                shutil.rmtree(folder, ignore_errors=True)
+        raise AssertionError("unreachable")
 
     def _resuming_tiers(self, checkpoint) -> bool:
         return checkpoint is not None and checkpoint == getattr(self, "_bcp_resume_folder", None)
@@ -327,7 +339,11 @@ class BCPTrainerMixin:
             bcp.load(checkpoint, state)
             return
         state["extra_state"] = {}  # a tiered step loads once: its RNG states now, set when the Trainer asks
-        located.load(state, strict=False)
+        try:
+            located.load(state, strict=False)
+        except bcp.DamagedStepError as e:
+            self._bcp_damaged = e  # the state is untouched: _train_from_tiers starts again from another step
+            raise
         self._bcp_rng = state["extra_state"].get("rng")
 
     def _load_scaler(self, checkpoint) -> None:

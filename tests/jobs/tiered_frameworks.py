@@ -71,7 +71,7 @@ def lightning(args, tiers) -> None:
     x, y = _data()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
     steps = args.steps + (2 if args.resume else 0)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=steps, max_epochs=1,
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=steps, max_epochs=3,
                         plugins=[BCPCheckpointIO(tiers=tiers)], enable_progress_bar=False, logger=False,
                         callbacks=[Record(), ModelCheckpoint(dirpath=os.path.join(args.base, "mc"),
                                                              every_n_train_steps=1, save_top_k=-1)])
