@@ -60,6 +60,11 @@ class LoadTargets:
     containers: list[tuple[str, dict]] = field(default_factory=list)
     # modules / optimizers: checkpoint keys below them without a target are "unexpected"
     structured: list[str] = field(default_factory=list)
+    # objects whose values go into dicts of the load's own (their `bcp_load_template()`) and whose
+    # `bcp_read_state` reads what else they need from the checkpoint before anything changes
+    read_first: list[str] = field(default_factory=list)
+    # run once the values below `read_first` are in their dicts, before any read of a tensor
+    reads: list[Callable[[], None]] = field(default_factory=list)
 
 
 class StateAdapter(Protocol):
@@ -211,7 +216,16 @@ def load_targets(state: dict, md: CheckpointMetadata, adapter: StateAdapter) -> 
             sd = template() if callable(template) else v.state_dict()
             out.containers.append((fqn, sd))
             add_dict(fqn, sd, per_rank, sd)
-            out.finishers.append(lambda obj=v, sd=sd: obj.load_state_dict(sd))
+            read_state = getattr(v, "bcp_read_state", None)
+            if callable(template) and callable(read_state):
+                # A dataloader's shards are read (and verified) with everything else, before the
+                # state changes; it adopts them with the rest (`bcp_read_state` returns how).
+                adopt: list[Callable[[], None]] = []
+                out.read_first.append(fqn)
+                out.reads.append(lambda read_state=read_state, sd=sd, adopt=adopt: adopt.append(read_state(sd)))
+                out.finishers.append(lambda adopt=adopt: adopt[0]())
+            else:
+                out.finishers.append(lambda obj=v, sd=sd: obj.load_state_dict(sd))
         else:
             out.targets[fqn] = LoadTarget(fqn, per_rank, set_value=setter)
 

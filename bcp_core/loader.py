@@ -159,6 +159,14 @@ def _prepare(st: Storage, md: CheckpointMetadata, state: dict, adapter, strict: 
     if strict and (result.missing or result.unexpected):
         raise KeyMismatchError(_key_report(st.root, result))
     values = [(v, v.fetch()) for v in plan.values]  # decoded (or read) and checked, not handed over yet
+    if targets.read_first:  # objects that read what they need now: their values go into dicts of the load's own
+        own = tuple(f"{fqn}." for fqn in targets.read_first)
+        for v, value in values:
+            if v.fqn.startswith(own):
+                v.hand_over(value)
+        values = [(v, value) for v, value in values if not v.fqn.startswith(own)]
+        for read in targets.reads:
+            read()
     return plan, targets, values, result
 
 

@@ -11,9 +11,10 @@ state; `checkpointable` picks the right wrapper.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from fractions import Fraction
 from typing import Any
 
@@ -101,6 +102,12 @@ class ReshardableLoader:
         return {"format": None}
 
     def load_state_dict(self, state: dict) -> None:
+        self.bcp_read_state(state)()
+
+    def bcp_read_state(self, state: dict) -> Callable[[], None]:
+        """Read and check every sharded part this rank needs from `state`, changing nothing; the
+        returned call adopts it. `bcp.load` reads before any byte of the caller's state changes and
+        adopts once every read of the load succeeded."""
         name = type(self).__name__
         if state.get("format") != self.loader_format:
             raise LoaderStateError(f"{name}: the dataloader state has format {state.get('format')!r}, expected "
@@ -136,7 +143,7 @@ class ReshardableLoader:
             units = [self.merge_unit_states([self.split_unit_state(saved_unit(u), lo, hi)
                                              for u, lo, hi in unit_overlaps(j, old_n, new_n)]) for j in mine]
             resharded = True
-        self.loader_restore(state.get("replicated") or {}, rank_state, units, resharded)
+        return functools.partial(self.loader_restore, state.get("replicated") or {}, rank_state, units, resharded)
 
 
 def unit_overlaps(j: int, old_n: int, new_n: int) -> list[tuple[int, Fraction, Fraction]]:
@@ -194,10 +201,14 @@ class OpaqueLoader:
         return {"format": None}
 
     def load_state_dict(self, state: dict) -> None:
+        self.bcp_read_state(state)()
+
+    def bcp_read_state(self, state: dict) -> Callable[[], None]:
+        """This DP rank's state read from `state`, nothing changed; the returned call loads it."""
         if state.get("format") != self.loader_format:
             raise LoaderStateError(f"the dataloader state has format {state.get('format')!r}, not that of an "
                                    f"opaque loader ({self.loader_format!r})")
-        self.loader.load_state_dict(loadable_loader_state(state, self.dp_rank, self.dp_size))
+        return functools.partial(self.loader.load_state_dict, loadable_loader_state(state, self.dp_rank, self.dp_size))
 
 
 class MappedLoader:
@@ -234,6 +245,10 @@ class MappedLoader:
 
     def load_state_dict(self, state: dict) -> None:
         self.loader.load_state_dict(state)
+
+    def bcp_read_state(self, state: dict) -> Callable[[], None]:
+        read_state = getattr(self.loader, "bcp_read_state", None)
+        return read_state(state) if callable(read_state) else functools.partial(self.loader.load_state_dict, state)
 
 
 def checkpointable(loader, dp_rank: int | None = None, dp_size: int | None = None):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import os
 import threading
 import uuid
@@ -22,6 +23,7 @@ from torch import nn
 
 import bcp_core as bcp
 from bcp_core import staging
+from bcp_core.dataloader import OpaqueLoader, PackedTokenLoader
 from bcp_core.load_config import LOAD_CONFIG
 from bcp_core.errors import ChecksumError, KeyMismatchError
 from bcp_core.storage import storage_for
@@ -193,6 +195,48 @@ def test_a_load_into_a_module_waits_for_the_lazy_snapshot_of_a_save_in_flight(tm
     bcp.load(str(tmp_path / "async"), {"model": saved})
     bcp.load(str(tmp_path / "ref"), {"model": ref})
     assert _frozen(saved) == _frozen(ref)  # the save holds the values of its call
+
+
+class _Position:
+    """A stateful loader of the simplest kind (wrapped as an OpaqueLoader)."""
+
+    def __init__(self, pos: int):
+        self.pos = pos
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.pos = sd["pos"]
+
+
+@pytest.mark.parametrize("kind", ["packed", "opaque"])
+def test_a_damaged_dataloader_shard_fails_the_load_before_anything_changes(tmp_path, kind):
+    """A dataloader's sharded state (its units, or an opaque loader's state per DP rank) is read and
+    verified with everything else, before anything changes: a damaged shard fails the load with the
+    model, the optimizer and the loader as they were."""
+    def loader(pos: int):
+        if kind == "opaque":
+            return OpaqueLoader(_Position(pos), 0, 1)
+        packed = PackedTokenLoader({"web": [list(range(d * 100, d * 100 + 7)) for d in range(20)]}, 4, 2, seed=3)
+        for _ in itertools.islice(packed, pos):
+            pass
+        return packed
+
+    path = str(tmp_path / "ck")
+    model, optim = _training(0)
+    _step(model, optim, 0)
+    bcp.save(path, {"model": model, "optimizer": optim, "dataloader": loader(3)}).wait()
+    shard = bcp.inspect(path).sharded_objects["dataloader.units.0" if kind == "packed" else "dataloader.rank"].shards[0]
+    _flip(path, bcp.inspect(path).files[shard.file], shard.byte_offset + shard.nbytes - 1)
+
+    live_model, live_optim = _training(1)
+    _step(live_model, live_optim, 1)
+    live = {"model": live_model, "optimizer": live_optim, "dataloader": loader(5)}
+    before, position = _frozen([live_model, live_optim]), repr(live["dataloader"].state_dict())
+    with pytest.raises(ChecksumError, match="of 'dataloader"):
+        bcp.load(path, live)
+    assert _frozen([live_model, live_optim]) == before and repr(live["dataloader"].state_dict()) == position
 
 
 # ----------------------------------------------------------------------------- two ranks
