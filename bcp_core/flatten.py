@@ -178,21 +178,23 @@ def load_targets(state: dict, md: CheckpointMetadata, adapter: StateAdapter) -> 
     fqn_of = _fqn_map(adapter, state)
     out = LoadTargets()
 
-    def add_dict(prefix: str, d: dict, per_rank: bool, into: dict | None) -> None:
+    def add_dict(prefix: str, d: dict, per_rank: bool, into: dict | None, in_place: bool = False) -> None:
+        """`in_place`: `d` is a module's state; its tensors are loaded into as they are, never replaced
+        (a value or a tensor of another shape in the checkpoint is refused, not set into `d`)."""
         for k, v in list(d.items()):
             fqn = f"{prefix}.{k}" if prefix else k
 
             def setter(new, d=into, k=k):
                 if d is not None:
                     d[k] = new
-            add(fqn, v, per_rank, setter)
+            add(fqn, v, per_rank, None if in_place and is_tensor_like(v) else setter)
 
     def add(fqn: str, v: Any, per_rank: bool, setter) -> None:
         if isinstance(v, nn.Module):
             out.structured.append(fqn)
             sd = adapter.module_state(v)
             non_tensor = {k: x for k, x in sd.items() if not is_tensor_like(x)}
-            add_dict(fqn, sd, per_rank, sd)
+            add_dict(fqn, sd, per_rank, sd, in_place=True)
             if non_tensor:  # e.g. get_extra_state(): hand the new values back through load_state_dict
                 keys = list(non_tensor)
                 out.finishers.append(lambda m=v, sd=sd, keys=keys: adapter.load_module_values(

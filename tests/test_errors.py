@@ -69,6 +69,19 @@ def test_shape_and_dtype_mismatch(ckpt):
         bcp.load(path, {"model": half})
 
 
+def test_a_value_where_a_module_has_a_tensor_is_refused_naming_the_key(tmp_path):
+    """A module's tensors are loaded into in place: a plain value saved under one of its keys is an
+    error naming the key, in a strict load and a lenient one, not a value silently dropped."""
+    path = str(tmp_path / "values")
+    bcp.save(path, {"model": {"0": {"weight": [[1.0] * 4] * 6, "bias": 0.5}}}).wait()
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for strict in (True, False):
+        with pytest.raises(bcp.BCPError, match=r"cannot set 'model\.0\.(weight|bias)': the checkpoint holds a value"):
+            bcp.load(path, {"model": model}, strict=strict)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_not_a_checkpoint(tmp_path):
     with pytest.raises(bcp.NotACheckpointError, match="is not a bcp checkpoint"):
         bcp.load(str(tmp_path), {"model": _model()})
