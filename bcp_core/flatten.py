@@ -65,6 +65,9 @@ class LoadTargets:
     read_first: list[str] = field(default_factory=list)
     # run once the values below `read_first` are in their dicts, before any read of a tensor
     reads: list[Callable[[], None]] = field(default_factory=list)
+    # (fqn, saved tensor): raises unless the data files back its pieces; an adapter calls it before
+    # it allocates a tensor of the saved shape (the metadata's claim) rather than a live tensor's
+    check_files: Callable[[str, Any], None] = lambda fqn, tm: None
 
 
 class StateAdapter(Protocol):
@@ -172,11 +175,12 @@ def save_leaves(state: dict, adapter: StateAdapter) -> list[SaveLeaf]:
     return leaves
 
 
-def load_targets(state: dict, md: CheckpointMetadata, adapter: StateAdapter) -> LoadTargets:
+def load_targets(state: dict, md: CheckpointMetadata, adapter: StateAdapter,
+                 check_files: Callable[[str, Any], None] = lambda fqn, tm: None) -> LoadTargets:
     if not isinstance(state, dict):
         raise UnsupportedValueError(f"state must be a dict, got {type(state).__name__}")
     fqn_of = _fqn_map(adapter, state)
-    out = LoadTargets()
+    out = LoadTargets(check_files=check_files)
 
     def add_dict(prefix: str, d: dict, per_rank: bool, into: dict | None, in_place: bool = False) -> None:
         """`in_place`: `d` is a module's state; its tensors are loaded into as they are, never replaced

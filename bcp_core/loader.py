@@ -148,7 +148,7 @@ def _prepare(st: Storage, md: CheckpointMetadata, state: dict, adapter, strict: 
     if mapping is not None:
         mapped = mapping.bind(md, st, check_files)
         md, reads = mapped.metadata, mapped.read_items
-    targets = load_targets(state, md, adapter)
+    targets = load_targets(state, md, adapter, check_files)
     if mapped is not None:
         targets = replace(targets, targets={k: replace(t, optional=True) if k in mapped.optional else t
                                             for k, t in targets.targets.items()},

@@ -132,6 +132,34 @@ def test_truncated_data_file(ckpt):
         bcp.load(path, {"model": model, "optimizer": torch.optim.AdamW(model.parameters())})
 
 
+def test_optimizer_state_of_a_claimed_shape_is_checked_against_the_files_before_allocation(tmp_path):
+    """Optimizer state the optimizer has not made yet is allocated in the saved shape: that shape is
+    a claim of the metadata, checked against the data file's size first (a damaged or crafted
+    metadata claiming 4 TiB gets an error naming the tensor, not an allocation)."""
+    path = str(tmp_path / "claimed")
+    model = nn.Linear(2, 2, bias=False)
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    optim.step()
+    bcp.save(path, {"model": model, "optim": optim}).wait()
+    n = 1 << 40
+
+    def claim(raw):
+        raw["checksum"]["block_bytes"] = 1 << 30
+        for tm in raw["tensors"].values():
+            for piece in tm["pieces"]:
+                piece["checksums"] = piece["checksums"][:1]
+        tm = raw["tensors"]["optim.state.weight.exp_avg"]
+        tm["shape"] = [n]
+        tm["pieces"][0].update(offsets=[0], lengths=[n], nbytes=n * 4, checksums=[0] * (n * 4 >> 30))
+    _edit_metadata(path, claim)
+    fresh = nn.Linear(2, 2, bias=False)
+    fresh_optim = torch.optim.Adam(fresh.parameters())
+    with pytest.raises(bcp.StorageError, match=r"tensor 'optim\.state\.weight\.exp_avg'.* ends at byte"):
+        bcp.load(path, {"model": fresh, "optim": fresh_optim}, strict=False)
+    assert not fresh_optim.state
+
+
 def test_newer_format_version(ckpt):
     path, _, _ = ckpt
     _edit_metadata(path, lambda raw: raw.update(version=bcp.FORMAT_VERSION + 1))

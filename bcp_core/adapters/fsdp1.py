@@ -470,6 +470,8 @@ def _plain_targets(out: LoadTargets, md, keys: dict, existing: dict, param) -> d
         fresh = not (isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(tm.shape) and t.dtype == tm.dtype)
         if fresh:
             device = param.device if tuple(tm.shape) == tuple(param.shape) else "cpu"
+            if tuple(tm.shape) != tuple(param.shape):
+                out.check_files(k, tm)  # the shape is the metadata's claim until the files back it
             t = torch.zeros(tm.shape, dtype=tm.dtype, device=device)
         slot[sname] = t
         out.targets[k] = LoadTarget(k, False, tensor=t, fresh=fresh)

@@ -159,7 +159,7 @@ def optimizer_targets(opt, key: str, fqn_of: dict[int, str], md: CheckpointMetad
         if isinstance(existing, torch.Tensor):
             target = existing
         elif tm is not None:
-            target = _new_state_tensor(params[i], tm)
+            target = _new_state_tensor(params[i], tm, k, out)
         else:
             target = None
         fresh = target is not None and target is not existing  # the optimizer gets it in the finisher
@@ -205,12 +205,13 @@ def optimizer_targets(opt, key: str, fqn_of: dict[int, str], md: CheckpointMetad
     out.checkpoint_defined.append(prefix)
 
 
-def _new_state_tensor(param: torch.Tensor, tm: TensorMeta) -> torch.Tensor:
+def _new_state_tensor(param: torch.Tensor, tm: TensorMeta, fqn: str, out: LoadTargets) -> torch.Tensor:
     """Destination for optimizer state that does not exist yet (never by stepping the optimizer).
     Left uninitialised: a saved tensor's pieces tile it exactly (metadata.py), so the load writes
     every byte, and zeroing first would be one more pass over fresh memory."""
     if tuple(tm.shape) == tuple(param.shape):
         return torch.empty_like(param, dtype=tm.dtype)  # keeps DTensor placements
+    out.check_files(fqn, tm)  # the shape is the metadata's claim until the files back it
     return torch.empty(tm.shape, dtype=tm.dtype)  # scalars such as Adam's step live on CPU
 
 
