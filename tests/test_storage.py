@@ -7,6 +7,7 @@ how many uploads of parts and ranged reads are in flight at once.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -489,6 +490,39 @@ def test_memory_retire_keeps_one_checkpoints_files_for_the_next_writes(tmp_path,
     assert not left.exists() and held.exists()
     bst.storage_for("memory://job").remove("")
     assert not top.exists()
+
+
+def test_a_memory_file_a_load_reads_is_not_overwritten_by_the_next_save(tmp_path, monkeypatch):
+    """A load reads a memory:// file through a map after verifying it. If its checkpoint is retired
+    meanwhile (another process's retention) the next save does not write into that file (it makes
+    a new one), so the load copies the bytes it verified; a map of a file being overwritten is
+    refused, never waited for."""
+    from bcp_core import loader
+    monkeypatch.setenv("BCP_MEMORY_DIR", str(tmp_path))
+    root, n = "memory://job", 1 << 16
+    bcp.save(root, {"w": torch.full((n,), 1.0)}, step=1).wait()
+    verified = loader.finish_lazy_copies  # called once every read is verified, before the writes
+
+    def retire_and_save_then_write():
+        bst.storage_for(root).retire("step_00000001")
+        bcp.save(root, {"w": torch.full((n,), 2.0)}, step=2).wait()
+        verified()
+    monkeypatch.setattr(loader, "finish_lazy_copies", retire_and_save_then_write)
+    target = {"w": torch.zeros(n)}
+    bcp.load(f"{root}/step_00000001", target)
+    assert torch.equal(target["w"], torch.full((n,), 1.0))
+    monkeypatch.setattr(loader, "finish_lazy_copies", verified)
+    target = {"w": torch.zeros(n)}
+    bcp.load(f"{root}/step_00000002", target)
+    assert torch.equal(target["w"], torch.full((n,), 2.0))
+
+    st = bst.storage_for(f"{root}/step_00000002")
+    data = next(f for f in st.listdir("data"))
+    with open(tmp_path / "bcp-memory" / "job" / "step_00000002" / "data" / data, "rb+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # as a writer that took the file holds it
+        with pytest.raises(bst.StorageError, match="is being overwritten by a newer save"):
+            st.map(f"data/{data}")
+    bst.storage_for(root).remove("")
 
 
 def test_file_urls_follow_rfc8089(tmp_path):

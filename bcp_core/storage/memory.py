@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
+import mmap
 import os
 import stat
 
@@ -132,11 +134,28 @@ class MemoryStorage(LocalStorage):
             raise
         return LocalWriter(dir_fd, name, self.join(relpath), self.fsync, self.FILE_MODE, adopt=adopt)
 
+    def map(self, relpath: str) -> memoryview | None:
+        """As a local file's, under a shared lock on the file held as long as the map is: the map is
+        read after it was verified (a load checks, then copies), so a retired file (`retire`) is
+        overwritten only where no map of it is left (`_take_spare`). A file being overwritten is
+        refused (a newer save took its retired checkpoint's files), never waited for."""
+        with open(self._path(relpath), "rb") as f:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise StorageError(f"{self.join(relpath)} is being overwritten by a newer save: its checkpoint "
+                                   "was retired") from None
+            if os.fstat(f.fileno()).st_size == 0:
+                return memoryview(b"")
+            # the map holds a duplicate of the descriptor, and with it the lock, until it is closed
+            return memoryview(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ))
+
     def _take_spare(self, dir_fd: int, name: str) -> tuple[str, int] | None:
         """The spare of `name`'s kind renamed to a temporary name in `dir_fd` and opened for writing:
-        (that name, its descriptor). None if there is none (or another writer took it), or it is not
-        a plain file or has another link (a recovery view a crash left: its bytes must not change):
-        then the writer makes a new file."""
+        (that name, its descriptor, locked for the writer until it closes it). None if there is none
+        (or another writer took it), or it is not a plain file or has another link (a recovery view
+        a crash left: its bytes must not change), or a map of it is still read (`map`): then the
+        writer makes a new file."""
         spares = self._spares()
         if spares is None:
             return None
@@ -150,7 +169,12 @@ class MemoryStorage(LocalStorage):
         try:
             st = os.stat(tmp, dir_fd=dir_fd, follow_symlinks=False)
             if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
-                return tmp, os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
+                fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return tmp, fd
+                except OSError:  # a load still reads a map of it
+                    os.close(fd)
         except OSError:
             pass
         with contextlib.suppress(OSError):
