@@ -264,7 +264,8 @@ class BCPTrainerMixin:
         Where that load sets damaged copies aside and leaves the step incomplete in memory
         (`DamagedStepError`: nothing was loaded, no step trained), the Trainer already read that
         step's trainer state: training starts again from the step a new `locate` finds, with that
-        step's trainer state, at most `SET_ASIDE_ROUNDS` more times."""
+        step's trainer state, at most `SET_ASIDE_ROUNDS` more times (under DeepSpeed, whose engine
+        is not built twice, the error is raised and the job's restart resumes from that step)."""
         self.bcp.wait()
         for round_ in range(SET_ASIDE_ROUNDS + 1):
             self._bcp_located = locate(tiers)
@@ -279,7 +280,8 @@ class BCPTrainerMixin:
             try:
                 return super().train(folder, *args, **kwargs)
             except bcp.DamagedStepError as e:
-                if e is not self._bcp_damaged or round_ == SET_ASIDE_ROUNDS:
+                # a DeepSpeed engine is built once per process: there the restart resumes
+                if e is not self._bcp_damaged or round_ == SET_ASIDE_ROUNDS or self.is_deepspeed_enabled:
                     raise
                 log.warning("%s; training starts again from that step", e)
             finally:
