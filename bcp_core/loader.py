@@ -77,7 +77,7 @@ class ResolvedCheckpoint:
 
 
 @metrics.recorded("load", rank=lambda *_, process_group=None, **__: this_rank(process_group))
-def load_checkpoint(path: str | os.PathLike, state: dict, framework: str = "auto", strict: bool = True, *,
+def load_checkpoint(path: str | os.PathLike | Storage, state: dict, framework: str = "auto", strict: bool = True, *,
                     process_group=None, allow_pickle: bool = False, verify_checksums: bool = True,
                     num_threads: int = 4, share_reads: bool | None = None,
                     timeout: timedelta = DEFAULT_TIMEOUT, mapping: Any = None,
@@ -87,12 +87,14 @@ def load_checkpoint(path: str | os.PathLike, state: dict, framework: str = "auto
     the read items are planned (with this rank's planning error, if any), before a byte is read:
     a tiered load brings the ranges they need from other nodes then (tiers/recovery.py). It raises
     on every rank if any rank failed. `metadata`: the checkpoint's, already parsed on every rank
-    (a tiered load's), so it is not read and parsed again."""
+    (a tiered load's), so it is not read and parsed again. `path` may be a Storage: this rank's own
+    checkpoint directory, taken as it is (a tiered load passes each node's view of the step, which
+    may lie at another path on each node)."""
     adapter = resolve_framework(state, framework)
     shared = group_size(process_group) > 1 and (share_reads if share_reads is not None else (
-        adapter.loads_together or worth_sharing(storage_for(path), process_group, state)))
+        adapter.loads_together or worth_sharing(_storage(path), process_group, state)))
     if not shared:
-        st = resolve(path)
+        st = path if isinstance(path, Storage) else resolve(path)
         md = metadata if metadata is not None else read_metadata(st)
         reads = VerifiedReads(st, md.files, md.checksum_block_bytes, verify_checksums)
         try:
@@ -109,7 +111,7 @@ def load_checkpoint(path: str | os.PathLike, state: dict, framework: str = "auto
         _check(targets)
     else:
         comm, op = _load_op(process_group)
-        st = _resolve_for_all(path, comm, op, timeout)
+        st = path if isinstance(path, Storage) else _resolve_for_all(path, comm, op, timeout)
         failure: Exception | None = None
         reads = VerifiedReads(st, (), CHECKSUM_BLOCK_BYTES, verify_checksums)
         try:
@@ -201,6 +203,10 @@ def _commit(reads: VerifiedReads, plan: LoadPlan, targets: LoadTargets, values: 
         v.hand_over(value)
     for finish in targets.finishers:
         finish()
+
+
+def _storage(path: str | os.PathLike | Storage) -> Storage:
+    return path if isinstance(path, Storage) else storage_for(path)
 
 
 def _resolve_for_all(path: str | os.PathLike, comm: Comm, op: str, timeout: timedelta) -> Storage:

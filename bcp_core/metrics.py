@@ -264,6 +264,11 @@ def summarise(records: list[dict]) -> dict[str, Any]:
     return out
 
 
+def _shown(path: Any) -> str:
+    """A path as records name it: a Storage (a load of a tiered step's view) by its root."""
+    return os.fspath(path) if isinstance(path, (str, os.PathLike)) else str(getattr(path, "root", path))
+
+
 def recorded(op: str, rank: Callable[..., int]):
     """Decorator for an operation returning a result object: record its phases under a new
     recorder (`rank(*args, **kwargs)` names the rank), attach them as `result.metrics` and hand
@@ -271,7 +276,7 @@ def recorded(op: str, rank: Callable[..., int]):
     def wrap(fn):
         @functools.wraps(fn)
         def inner(*args, **kwargs):
-            rec = Recorder(op, rank(*args, **kwargs), os.fspath(args[0]) if args else "")
+            rec = Recorder(op, rank(*args, **kwargs), _shown(args[0]) if args else "")
             result = rec.run(fn, *args, finish=True, **kwargs)
             result.metrics = rec.records()
             return result

@@ -2,7 +2,9 @@
 gloo ranks split into simulated nodes (`BCP_LOCAL_WORLD_SIZE`), each node with a memory directory
 of its own: every piece with k + 1 copies, retention, the drain to an ordinary durable checkpoint,
 a failed replica failing the save everywhere, recovery after a lost node at other world sizes, a
-failed recovery leaving the state untouched, failure domains, a resumed job leaving a timeline.
+damaged copy set aside (and a whole one kept), a failed recovery leaving the state untouched,
+node-local directories at another path per node, views of ended loads removed, a drain's
+retention kept out while a step is confirmed, failure domains, a resumed job leaving a timeline.
 The kill-a-node cases under torchrun are in reliability/test_tiers_multinode.py."""
 
 from __future__ import annotations
@@ -71,8 +73,16 @@ def _tiers(base: str, **kw) -> bcp.Tiers:
     return bcp.Tiers("memory://job", **kw)
 
 
-def _save(rank, world, base, steps, part_bytes=None, fail_receive_at=None, names=None, domains=None):
-    """Train and save every step; `fail_receive_at`: (rank, step) whose receiving of replicas fails."""
+def _same_rng() -> dict:
+    """Per-rank state every rank holds alike (each seeded the same): its metadata names rank 0's
+    piece only, though every rank wrote its own into its data file."""
+    torch.manual_seed(1234)
+    return {"rng": torch.get_rng_state()}
+
+
+def _save(rank, world, base, steps, part_bytes=None, fail_receive_at=None, names=None, domains=None, rng=False):
+    """Train and save every step; `fail_receive_at`: (rank, step) whose receiving of replicas fails;
+    `rng`: with `_same_rng` as extra_state."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from bcp_core.tiers import transport
@@ -91,6 +101,8 @@ def _save(rank, world, base, steps, part_bytes=None, fail_receive_at=None, names
                 raise OSError(errno.ENOSPC, "No space left on device (injected)")
         inject(Fault("write", hook=full, path=f"*/step_{fail_receive_at[1]:08d}/data/*"))
     state = initial(init_device_mesh("cpu", (world,)))
+    if rng:
+        state["extra_state"] = _same_rng()
     tiers, errors = _tiers(base), {}
     for step in steps:
         advance(state, step)
@@ -101,13 +113,15 @@ def _save(rank, world, base, steps, part_bytes=None, fail_receive_at=None, names
     return errors
 
 
-def _load(rank, world, base, names=None, sentinel=False, tiers_kw=None):
+def _load(rank, world, base, names=None, sentinel=False, tiers_kw=None, rng=False):
     """Load the tiers into this world size; the step, tier and whether every row is the expected one
-    (with `sentinel`: the load must fail, and the state stay as it was)."""
+    (with `sentinel`: the load must fail, and the state stay as it was; `rng`: as `_save`'s)."""
     from torch.distributed.device_mesh import init_device_mesh
     _on_node(rank, base, names)
     state = initial(init_device_mesh("cpu", (world,)))
     state["w"].to_local().fill_(-1.0)
+    if rng:
+        state["extra_state"] = {"rng": torch.zeros_like(_same_rng()["rng"])}
     before = {k: (v.to_local().clone() if hasattr(v, "to_local") else v) for k, v in state.items()}
     try:
         result = bcp.load(_tiers(base, **(tiers_kw or {})), state)
@@ -119,6 +133,7 @@ def _load(rank, world, base, names=None, sentinel=False, tiers_kw=None):
     want = expected(result.step)
     rows = ROWS // world
     ok = all(torch.equal(state[k].to_local(), want[k][rank * rows:(rank + 1) * rows]) for k in ("w", "exp_avg"))
+    ok = ok and (not rng or torch.equal(state["extra_state"]["rng"], _same_rng()["rng"]))
     return result.step, result.tier, ok and torch.equal(state["bias"], want["bias"]) and state["step"] == result.step
 
 
@@ -164,27 +179,43 @@ def test_replicas_retention_drain_and_recovery_after_a_lost_node(tmp_path, monke
     assert os.listdir(tmp_path / "memnew" / "bcp-memory" / "job") == [".spare"]
 
 
+def _flip_in_piece(step, key: str, rank: int):
+    """A bit flipped in `key`'s piece of rank `rank`'s data file of a step in a node's memory; the file."""
+    from bcp_core.metadata import METADATA_FILE, CheckpointMetadata
+    md = CheckpointMetadata.loads((step / METADATA_FILE).read_bytes())
+    index = next(i for i, f in enumerate(md.files) if f"-r{rank}_" in f)
+    at = next(p.byte_offset for p in md.tensors[key].pieces if p.file == index) + 5
+    path = step / md.files[index]
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return path
+
+
 def test_a_failed_replica_fails_the_save_on_every_rank_and_commits_it_nowhere(tmp_path, monkeypatch):
     """Rank 3 cannot store the replicas it receives at step 2: the save fails on every rank naming
     it, no node holds step 2's metadata (each node's leader marked it failed), step 3 saves cleanly,
-    and a load finds step 3 (then, step 3's metadata gone from both nodes, step 1, never step 2)."""
+    and a load finds step 3 (then, step 3's metadata gone from both nodes, step 1, never step 2).
+    Every rank saves the same RNG state as extra_state: the metadata names rank 0's piece only."""
     base = str(tmp_path)
     monkeypatch.setenv("BCP_LOCAL_WORLD_SIZE", "2")
-    errors = run_ranks(4, _save, base, [1, 2, 3], None, (3, 2), None, None)
+    errors = run_ranks(4, _save, base, [1, 2, 3], None, (3, 2), None, None, True)
     for e in errors:
         assert list(e) == [2] and "rank 3" in e[2] and "injected" in e[2] and "not committed" in e[2], e
     for node in ("mem0", "mem1"):
         steps = _steps(tmp_path / node)
         assert steps[1] is not None and steps[3] is not None and steps.get(2) is None, steps
-    # node 0's copy of a step-3 file damaged (a flipped bit in RAM): the load fails its checksum,
-    # node 0 sets its copy aside, and step 3 loads again with that file from node 1's copy
-    step3 = tmp_path / "mem0" / "bcp-memory" / "job" / "step_00000003" / "data"
-    victim = flip_last_byte(sorted(step3.iterdir())[0])
-    assert run_ranks(4, _load, base) == [(3, "memory", True)] * 4
+    # node 0's copy of rank 1's step-3 file damaged (a flipped bit in RAM): the load fails its
+    # checksum, node 0 sets its copy aside, node 1 keeps its own (whole, though it holds rank 1's
+    # RNG piece, which the metadata does not name), and step 3 loads again with that file from node 1
+    step3 = [tmp_path / node / "bcp-memory" / "job" / "step_00000003" for node in ("mem0", "mem1")]
+    victim = _flip_in_piece(step3[0], "w", 1)
+    assert run_ranks(4, _load, base, None, False, None, True) == [(3, "memory", True)] * 4
     assert not victim.exists() and victim.with_name(victim.name + ".damaged").exists()
-    for node in ("mem0", "mem1"):
-        os.remove(tmp_path / node / "bcp-memory" / "job" / "step_00000003" / "bcp_metadata.json")
-    assert run_ranks(4, _load, base, None, False, {"durable": None, "persist_every": None}) == \
+    assert (step3[1] / victim.relative_to(step3[0])).exists()
+    for step in step3:
+        os.remove(step / "bcp_metadata.json")
+    assert run_ranks(4, _load, base, None, False, {"durable": None, "persist_every": None}, True) == \
         [(1, "memory", True)] * 4
 
 
@@ -251,6 +282,60 @@ def test_an_error_on_one_rank_after_the_loads_agreement_is_raised_there_within_a
     assert loaded == "loaded" and error.startswith("RuntimeError: injected"), error
 
 
+def _node_local_directories(rank, world, base, dead, live):
+    """Each node's memory tier a directory of its own (`local<node>`), as a local SSD at another path
+    on each machine would be. Views of a step that a load made (`fetch.view_name`) lie in them
+    before the save and the load: those of process `dead` are removed, those of `live` (a load
+    going on) stay. Node 0 then loses its copy of rank 1's file: rank 1 reads its own node's. The
+    views left after the save and after the load; the step loaded, and whether every row is step
+    1's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from bcp_core.storage.base import this_host
+    local = os.path.join(base, f"local{rank}")
+    os.makedirs(local, exist_ok=True)
+
+    def views(*names):
+        for name in names:
+            os.makedirs(os.path.join(local, name, "data"), exist_ok=True)
+        return sorted(n for n in os.listdir(local) if n.startswith(".bcp-recover-"))
+    stale, running = (f".bcp-recover-1-{hex}.{this_host()}.{pid}" for hex, pid in (("0a", dead), ("0b", live)))
+    views(stale, running)
+    tiers = bcp.Tiers(local, replicas=1)
+    state = initial(init_device_mesh("cpu", (world,)))
+    advance(state, 1)
+    bcp.save(tiers, state, step=1, async_save=True).wait()
+    after_save = views()
+    dist.barrier()
+    if rank == 0:
+        import glob
+        for f in glob.glob(os.path.join(local, "step_00000001", "data", "*-r1_*")):
+            os.remove(f)
+    views(stale)
+    dist.barrier()
+    state["w"].to_local().fill_(-1.0)
+    result = bcp.load(tiers, state)
+    rows = ROWS // world
+    ok = torch.equal(state["w"].to_local(), expected(1)["w"][rank * rows:(rank + 1) * rows])
+    return after_save, views(), result.step, result.tier, ok
+
+
+def test_node_local_directories_each_node_loads_its_own_and_views_of_ended_loads_go(tmp_path, monkeypatch):
+    """Tiers(memory=<a directory that differs per node>): each rank loads its own node's view, never
+    rank 0's (node 0 lost rank 1's file, which node 1 holds: read from node 0's view, it fails its
+    checksum). A view whose load ended without removing it goes at the next save and the next load;
+    a live process's stays."""
+    import subprocess
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    monkeypatch.setenv("BCP_LOCAL_WORLD_SIZE", "1")
+    from bcp_core.storage.base import this_host
+    running = [f".bcp-recover-1-0b.{this_host()}.{os.getpid()}"]
+    assert run_ranks(2, _node_local_directories, str(tmp_path), ended.pid, os.getpid()) == \
+        [(running, running, 1, "memory", True)] * 2
+
+
 @pytest.mark.slow
 def test_failure_domains_keep_each_copy_out_of_its_nodes_domain(tmp_path, monkeypatch):
     """4 nodes in 2 racks: each node's files are copied to a node of the other rack."""
@@ -306,6 +391,39 @@ def test_one_process_memory_and_durable_without_replicas(tmp_path, monkeypatch):
     assert bcp.resolve(str(tmp_path / "durable")).root.endswith("step_00000004")
     with pytest.raises(bcp.SaveError, match="replicas=1 needs at least 2 nodes"):
         bcp.save(bcp.Tiers("memory://solo"), state, step=5)
+
+
+def test_a_drain_ending_while_a_step_is_recorded_keeps_the_older_step(tmp_path, monkeypatch):
+    """A drain that ends while a save has recorded its step on this node but not every node has
+    confirmed it yet (here: another node could not record it) must not count that step as
+    committed: its retention (`keep_newest`, keep_in_memory=1) would retire step 1, and step 2 is
+    then taken back, leaving no committed step. The drain's retention waits for the confirmation;
+    step 1 stays and loads."""
+    import threading
+
+    from bcp_core.comm import Comm
+    monkeypatch.setenv("BCP_MEMORY_DIR", str(tmp_path))
+    tiers = bcp.Tiers("memory://race", replicas=0, keep_in_memory=1)
+    bcp.save(tiers, {"w": torch.arange(6.0), "step": 1}, step=1).wait()
+    runtime = bcp.checkpointer.get_checkpointer()._tiers
+    all_gather, drains = Comm.all_gather, []
+
+    def confirm(self, obj, op, timeout=None):  # step 2's confirmation: a drain ends meanwhile
+        out = all_gather(self, obj, op, timeout)
+        if not op.endswith("/recorded"):
+            return out
+        drain = threading.Thread(target=runtime.keep_newest, args=(tiers.memory_root(), 1))
+        drain.start()
+        drain.join(1.0)  # the drain's retention, as drain.py runs it when a drain ends
+        drains.append(drain)
+        return ["rank 1: injected: this node could not record the metadata"]
+    with monkeypatch.context() as m, pytest.raises(bcp.SaveError, match="could not be recorded on every node"):
+        m.setattr(Comm, "all_gather", confirm)
+        bcp.save(tiers, {"w": torch.arange(6.0) * 2, "step": 2}, step=2).wait()
+    drains[0].join(30)
+    assert not drains[0].is_alive()
+    target = {"w": torch.zeros(6), "step": 0}
+    assert bcp.load(tiers, target).step == 1 and torch.equal(target["w"], torch.arange(6.0))
 
 
 def test_a_damaged_copy_is_never_drained_and_a_load_takes_the_newest_whole_step(tmp_path, monkeypatch):
@@ -373,3 +491,14 @@ def test_a_replica_is_checked_against_the_writes_checksums(tmp_path):
     entry[1] += 16  # a file padded after its last piece: the padding must be zeros
     assert check(bytes(data) + bytes(16)) is None
     assert "has bytes in [" in check(bytes(data) + bytes(15) + b"\1")
+
+    def check_pieces(copy: bytes) -> str | None:  # a load's check: the metadata's pieces, nothing else
+        c = CopyCheck.for_file(memoryview(copy), [(w.byte_offset, w.nbytes, w.checksums) for w in written[1:]],
+                               1024, only_pieces=True)
+        c.feed(memoryview(copy), 0)
+        return c.wrong()
+    other = bytearray(data)
+    other[written[0].byte_offset] ^= 1  # a piece the metadata does not list (another rank's, saved alike)
+    assert check_pieces(bytes(other)) is None
+    other[last.byte_offset + 2000] ^= 1
+    assert "fails the checksum of bytes [" in check_pieces(bytes(other))

@@ -2,13 +2,15 @@
 each (`schedule`: a rank of the least loaded node holding the file, to one rank of the needing
 node), the view they land in (`make_view`: the node's files linked, a sparse file for each it
 lacks) and the transfers (`transfer`, in one order on every rank, every wait bounded), with the
-records they travel in. recovery.py decides what to load and runs the load on the view.
+records they travel in.
+recovery.py decides what to load and runs the load on the view.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from ..errors import BCPError
 from ..metadata import METADATA_FILE
 from ..shared_reads import LoadFailure, raise_failures
 from ..storage import Storage
+from ..storage.base import TempFile, temp_writer_gone, this_host
 from ..utils import human_bytes
 from .placement import nodes_of
 from .transport import Peer, tier_group
@@ -32,7 +35,8 @@ log = logging.getLogger("bcp")
 class Choice:
     """The coordinator's choice, for every rank: the step and its tier ("memory", "durable"); for
     memory, the rank whose node holds its metadata, each file's size and holding nodes, and the
-    name of the load's view in each node's memory. `error`: no step can be loaded."""
+    load's name for its views (`VIEW_PREFIX`...: each node's view adds its maker, `view_name`).
+    `error`: no step can be loaded."""
 
     tier: str
     step: int
@@ -146,6 +150,36 @@ def tag_of(op: str, kind: int) -> int:
     """The point-to-point tag of one kind of message of load `op` ("l<n>/..."): never one an earlier
     load used, so a message an earlier failed load left unreceived is never taken for this one's."""
     return int(op.split("/")[0][1:]) * 4 + kind
+
+
+VIEW_PREFIX = ".bcp-recover-"  # a load's view of a step in a node's memory (not a step: no layout lists it)
+# `view_name`: the load's name, then the host and process of the node leader that made the view
+_VIEW_NAME = re.compile(r"^" + re.escape(VIEW_PREFIX) + r"\d+-[0-9a-f]+\.([A-Za-z0-9-]+)\.(\d+)$")
+
+
+def view_name(load: str) -> str:
+    """The name of this node's view for load `load` (`Choice.view`), made by this process: it names
+    the process, so that a view whose load was killed before removing it is found
+    (`remove_stale_views`)."""
+    return f"{load}.{this_host()}.{os.getpid()}"
+
+
+def remove_stale_views(root: Storage) -> None:
+    """A node leader: remove the views in this node's memory whose maker has ended (a load killed
+    before its own removal; its links would hold a step's memory for good). A view of a process
+    that runs (a load in progress), or of another host, stays. Failures are logged."""
+    try:
+        for name in root.listdir():
+            m = _VIEW_NAME.match(name)
+            if m is None or not temp_writer_gone(TempFile(name, m.group(1), int(m.group(2)))):
+                continue
+            try:
+                root.remove(name)
+                log.info("bcp: removed %s, left by a load that ended before removing it", root.join(name))
+            except Exception as e:  # noqa: BLE001 - it stays; the next look tries again
+                log.warning("bcp: could not remove %s, left by a load that ended: %s", root.join(name), e)
+    except Exception as e:  # noqa: BLE001 - nothing depends on it
+        log.warning("bcp: could not look for views left by ended loads in %s: %s", root.root, e)
 
 
 def make_view(root: Storage, view: Storage, name: str, choice: Choice, md: bytes | None) -> bool:

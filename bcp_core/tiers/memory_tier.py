@@ -30,6 +30,7 @@ from ..errors import SaveError
 from ..metadata import FAILED_FILE, METADATA_FILE, TRACKER_FILE
 from ..plan_records import WriteReport
 from ..save_job import SaveProgress, SaveRequest, rank_error
+from .fetch import remove_stale_views
 from .placement import Placement, PlacementError, nodes_of, place
 from .policy import Tiers
 from .replication import replicate
@@ -51,7 +52,9 @@ class TierRuntime:
         self.placements: dict[tuple, Placement] = {}
         self.pinned: set[str] = set()
         self.drains = DrainLane(role, self)
-        self.lock = threading.Lock()  # one retention at a time: a save's, or a drain's once it ended
+        # one retention at a time (a save's, or a drain's once it ended), and none while a step is
+        # recorded on this node but not yet confirmed on every node (`TierSave.publish`)
+        self.lock = threading.Lock()
         self.rewound: set[str] = set()  # durable roots whose tracker this job has checked (rewind_durable)
 
     def keep_newest(self, root, keep: int, committed: str | None = None, pinned: set[str] = frozenset()) -> None:
@@ -100,6 +103,7 @@ class TierSave:
         if progress.error is None and comm.rank in comm.node_leaders:
             try:
                 clear_newer(request.root, request.tracker_name)
+                remove_stale_views(request.root)
                 request.ckpt.makedirs("data")
                 if comm.is_coordinator and self.tiers.durable is not None and \
                         self.tiers.durable not in self.runtime.rewound:
@@ -149,25 +153,46 @@ class TierSave:
     def publish(self, comm: Comm, request: SaveRequest, progress: SaveProgress, op: str) -> None:
         """The metadata (the coordinator's `progress.metadata`) recorded in every node's memory, or
         the save fails on every rank with no node keeping it (module doc)."""
-        error, recorded = None, False
+        error, recorded, md = None, False, None
+        leader = comm.rank in comm.node_leaders
         if len(comm.node_leaders) > 1:  # made by every rank (replication made it already, unless k = 0)
             tier_group(comm, request.timeout)
-        if comm.rank in comm.node_leaders:
+        if leader:
             try:
                 md = self._relay_metadata(comm, request, progress.metadata, op)
-                request.ckpt.write_atomic(METADATA_FILE, md)
-                recorded = True
             except PeerFailed as e:
                 error = f"rank {comm.rank}: the metadata did not reach this node: {e}"
             except Exception as e:  # noqa: BLE001 - every rank hears of it below
                 error = rank_error(comm.rank, e)
-        errors = [e for e in comm.all_gather(error, f"{op}/recorded", request.timeout) if e]
-        if errors:
-            if recorded:
-                _take_back(request)
-            raise SaveError(f"{request.what} failed and was not committed: the step could not be recorded on every "
-                            f"node: {'; '.join(errors)}")
-        if comm.rank in comm.node_leaders:
+        # Recorded here, the step looks committed to a drain's retention (keep_newest, on the drain's
+        # thread), which would let an older committed step go for it; until every node confirmed, it
+        # is not: the lock keeps retention out from the write to the confirmation or the take-back.
+        # The drain's thread waits at most the confirmation's timeout; it holds the lock only for
+        # local removals, never a wait on another rank.
+        if leader:
+            self.runtime.lock.acquire()
+        try:
+            if leader and error is None:
+                try:
+                    request.ckpt.write_atomic(METADATA_FILE, md)
+                    recorded = True
+                except Exception as e:  # noqa: BLE001 - every rank hears of it below
+                    error = rank_error(comm.rank, e)
+            try:
+                errors = [e for e in comm.all_gather(error, f"{op}/recorded", request.timeout) if e]
+            except BaseException:
+                if recorded:  # not confirmed on every node: not committed
+                    _take_back(request)
+                raise
+            if errors:
+                if recorded:
+                    _take_back(request)
+                raise SaveError(f"{request.what} failed and was not committed: the step could not be recorded on "
+                                f"every node: {'; '.join(errors)}")
+        finally:
+            if leader:
+                self.runtime.lock.release()
+        if leader:
             self.runtime.keep_newest(request.root, self.tiers.keep_in_memory, request.tracker_name,
                                      {request.tracker_name} if self.tiers.persists(request.save.step) else set())
         if self.tiers.persists(request.save.step):

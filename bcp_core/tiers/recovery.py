@@ -45,14 +45,13 @@ from ..shared_reads import LoadFailure, raise_failures
 from ..storage import storage_for
 from ..storage.base import parse_temp_name
 from .copy_check import CopyCheck
-from .fetch import Choice, fetch, make_view, merged, schedule, tag_of, transfer
+from .fetch import (VIEW_PREFIX, Choice, fetch, make_view, merged, remove_stale_views, schedule, tag_of, transfer,
+                    view_name)
 from .placement import nodes_of
 from .policy import Tiers
 from .transport import Peer, tier_group
 
 log = logging.getLogger("bcp")
-
-VIEW_PREFIX = ".bcp-recover-"  # a load's view of a step in a node's memory (not a step: no layout lists it)
 
 
 # ----------------------------------------------------------------------------- records
@@ -219,22 +218,26 @@ def _load_from_memory(at: Located, state: dict, framework: str, strict: bool, al
     """The step from the nodes' memory (module doc): each node's view of it, the sharded objects'
     pieces it lacks (every rank computes the same schedule from the metadata: no exchange), then the
     ordinary load of the view, which brings the byte ranges its items need before reading them
-    (`prefetch`)."""
+    (`prefetch`). Each rank loads its own node's view."""
     comm, op, choice, timeout, md = at.comm, at.op, at.choice, at.timeout, at.metadata
     root = at.tiers.memory_root()
     name = BCP_STEPS.name(choice.step)
-    step, view = root.child(name), root.child(choice.view)
+    step = root.child(name)
     deadline = time.monotonic() + timeout.total_seconds()
     node_ranks = nodes_of(comm.nodes)
     error: BaseException | None = None
+    made = view_name(choice.view) if comm.rank in comm.node_leaders else None  # the view this rank makes
     lacked = False  # whether this node's view has files the transfers fill
     try:
-        if comm.rank in comm.node_leaders:
-            lacked = make_view(root, view, name, choice, at.md_bytes)
+        if made is not None:
+            lacked = make_view(root, root.child(made), name, choice, at.md_bytes)
     except Exception as e:  # noqa: BLE001 - the load below fails on every rank, reading what is not there
         error = e
     try:
-        comm.barrier(f"{op}/views", timeout)  # every node's view exists before a byte is written into it
+        # every node's view exists before a byte is written into it; each rank learns its node's
+        views = comm.all_gather(made, f"{op}/views", timeout)
+        view = root.child(views[next(ranks[0] for ranks in node_ranks if comm.rank in ranks)])
+        view.node_local = True  # this node's own: a range of it is never read for another node's ranks
         # a sharded object's pieces (a loader's state: small) are read while the load is planned
         objects = {(p.file, p.byte_offset, p.byte_offset + p.nbytes)
                    for so in md.sharded_objects.values() for p in so.shards if p.nbytes}
@@ -252,7 +255,8 @@ def _load_from_memory(at: Located, state: dict, framework: str, strict: bool, al
                     ranges.add((it.piece.file, it.piece.byte_offset + lo, it.piece.byte_offset + hi))
             fetch(comm, op, choice, step, view, merged(ranges), failure, deadline, timeout)
 
-        result = load_checkpoint(view.root, state, framework, strict, process_group=at.process_group,
+        # each rank's own node's view (a node-local directory lies at another path on each node)
+        result = load_checkpoint(view, state, framework, strict, process_group=at.process_group,
                                  allow_pickle=allow_pickle, verify_checksums=verify_checksums,
                                  num_threads=num_threads, share_reads=True, timeout=timeout, prefetch=prefetch,
                                  metadata=md)
@@ -263,14 +267,14 @@ def _load_from_memory(at: Located, state: dict, framework: str, strict: bool, al
             comm.barrier(f"{op}/done", timeout)
         except Exception as e:  # noqa: BLE001 - the view goes anyway: mapped files stay readable to whoever maps them
             log.warning("bcp: rank %d: waiting for the other ranks to finish recovering: %s", comm.rank, e)
-        if comm.rank in comm.node_leaders:
+        if made is not None:
             try:
                 # with files received into it, retired rather than freed: they become the spares the
                 # node's next save writes into (MemoryStorage.retire), and freeing them is not waited
                 # for here; a view of links only is removed (the node's spares stay)
-                (root.retire if lacked else root.remove)(choice.view)
+                (root.retire if lacked else root.remove)(made)
             except Exception as e:  # noqa: BLE001 - the load's own outcome is what the caller needs
-                log.warning("bcp: could not remove the recovery view %s: %s", view.root, e)
+                log.warning("bcp: could not remove the recovery view %s: %s", root.join(made), e)
 
 
 # ----------------------------------------------------------------------------- damaged copies
@@ -287,7 +291,8 @@ DAMAGED_SUFFIX = ".damaged"  # a copy set aside: data/<file>.damaged (no load na
 def _set_aside_damaged(at: Located, error: BaseException) -> bool:
     """After a load of step `at` failed: the ranks agree on the data files whose bytes failed their
     checksums (ChecksumError.file, on the ranks that found them); each node leader holding one
-    checks its copy whole against the metadata and renames a damaged one out of the step
+    checks its copy against the metadata (the checksums of every piece it lists) and renames a
+    damaged one out of the step
     (`DAMAGED_SUFFIX`). Whether any copy was set aside (then a new `locate` sees the step without
     it). Collective; every exchange bounded by the load's timeout."""
     comm, op, choice = at.comm, f"{at.op}/damaged", at.choice
@@ -310,8 +315,10 @@ def _set_aside_damaged(at: Located, error: BaseException) -> bool:
                 if not step.exists(rel):
                     continue
                 data = step.map(rel)
+                # only the pieces the metadata lists: a file may hold more (a per-rank value several
+                # ranks saved alike is listed once), and no load reads those
                 check = CopyCheck.for_file(data, pieces.get(choice.files.index(rel), ()),
-                                           at.metadata.checksum_block_bytes)
+                                           at.metadata.checksum_block_bytes, only_pieces=True)
                 check.feed(data, 0)
                 wrong = check.wrong()
                 del data, check
@@ -335,6 +342,7 @@ def _holdings(tiers: Tiers) -> tuple[NodeHoldings, dict[int, bytes]]:
     found: dict[int, bytes] = {}
     try:
         root = tiers.memory_root()
+        remove_stale_views(root)
         steps = []
         for entry in root.listdir():
             step = BCP_STEPS.step_of(entry)
