@@ -25,6 +25,7 @@ one at a time in submission order; so they run in the same order on every rank.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -36,7 +37,7 @@ from datetime import timedelta
 from . import metrics
 from .adapters import resolve_framework
 from .comm import DEFAULT_TIMEOUT, Comm, comm_for
-from .errors import BCPError, CommTimeoutError, SaveError
+from .errors import BCPError, CommTimeoutError, SaveError, UnsupportedValueError
 from .flatten import save_leaves
 from .layout import BCP_STEPS
 from .plan_records import SaveId, WriteReport
@@ -96,7 +97,7 @@ class Checkpointer:
         sid = SaveId(self._ops, step, path.label if tiered else os.fspath(path))
         rec = metrics.Recorder("save", comm.rank, sid.path)
         progress = SaveProgress()
-        request = SaveRequest(sid, timeout, f"save to {sid.path}", user_metadata=dict(user_metadata or {}),
+        request = SaveRequest(sid, timeout, f"save to {sid.path}",
                               num_threads=num_threads or min(4, cores_per_rank()), on_commit=on_commit, keep=keep,
                               recorder=rec)
         if tiered:  # before anything can fail: a tiered save's exchanges are taken part in whatever happens
@@ -104,6 +105,7 @@ class Checkpointer:
                 self._tiers = TierRuntime(self.role)
             request = replace(request, tiers=TierSave(path, self._tiers, process_group))
         try:
+            request = replace(request, user_metadata=_committed_form(user_metadata))
             request = self._locate(request, fsync)
             adapter = resolve_framework(state, framework)
             request = replace(request, framework=adapter.name)
@@ -260,6 +262,25 @@ class Checkpointer:
     def _release(progress: SaveProgress) -> None:
         if progress.snapshot is not None:
             progress.snapshot.release()
+
+
+def _committed_form(user_metadata: dict | None) -> dict:
+    """`user_metadata` as the metadata file will hold it (its JSON form), taken at the call: an
+    async save writes it at its commit, after the caller may have changed the values it passed. A
+    value JSON cannot hold is refused here, naming its key, rather than failing the commit."""
+    if user_metadata is None:
+        return {}
+    if not isinstance(user_metadata, dict):
+        raise UnsupportedValueError(f"user_metadata must be a dict, got {type(user_metadata).__name__}")
+    committed = {}
+    for key, value in user_metadata.items():
+        try:  # the same encoding as the metadata file (metadata.CheckpointMetadata.dumps)
+            ((name, copy),) = json.loads(json.dumps({key: value}, allow_nan=False)).items()
+        except (TypeError, ValueError, RecursionError) as e:
+            raise UnsupportedValueError(f"user_metadata[{key!r}] cannot be saved in the metadata (JSON): "
+                                        f"{type(e).__name__}: {e}") from None
+        committed[name] = copy
+    return committed
 
 
 # ----------------------------------------------------------------------------- registry

@@ -226,9 +226,13 @@ class Comm:
         return [r for r in range(self.world_size) if r == 0 or self.nodes[r] != self.nodes[r - 1]]
 
     def _key(self, op: str) -> str:
+        """The keys' base of an exchange `op` (counted)."""
+        self.collectives += 1
+        return self._op_key(op)
+
+    def _op_key(self, op: str) -> str:
         if not op or "//" in op or op.startswith("/") or op.endswith("/"):
             raise BCPError(f"bad operation name {op!r}")
-        self.collectives += 1
         return f"{self._prefix}{op}"
 
     # -- up the tree -------------------------------------------------------------------------------
@@ -373,6 +377,19 @@ class Comm:
         if not self.distributed:
             return value
         return self._store.compare_set(f"{self._prefix}{name}", "", value).decode()
+
+    def settle(self, op: str, outcome: str) -> str:
+        """Set the outcome of operation `op` to `outcome` unless a rank set one first; returns the
+        outcome that holds. One atomic step of the store, so two ranks that each act on their own
+        outcome (the coordinator commits, a rank gives up waiting) cannot both go ahead. The
+        coordinator forgets it with the operation's other keys."""
+        if not self.distributed:
+            return outcome
+        key = f"{self._op_key(op)}/outcome"
+        held = self._store.compare_set(key, "", outcome).decode()
+        if self.is_coordinator:
+            self._stale.append(key)
+        return held
 
     def peek(self, name: str) -> str | None:
         """The value of `name` if some rank proposed one, without waiting (one store round trip)."""

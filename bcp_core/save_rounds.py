@@ -161,6 +161,11 @@ class SaveRounds:
             _check_ids(reports, request.save)
             agreed = progress.agreed
             md = build_metadata(agreed.gplan, agreed.rank_keys, reports, request.framework, request.user_metadata)
+            # from here on the save commits unless writing it fails, so no rank may give up on it now;
+            # if one already has, it raised: none commits, every rank raises
+            held = comm.settle(f"{op}/commit", _outcome(COMMIT, request.save))
+            if held != _outcome(COMMIT, request.save):
+                raise SaveError(held.removeprefix(_outcome(ABORT, request.save, "")))
             ckpt, root = request.ckpt, request.root
             if request.tiers is not None:  # recorded on every node after this round (tiers/memory_tier.py)
                 progress.metadata = gc_paused(md.dumps)()
@@ -209,6 +214,7 @@ class SaveRounds:
         """One exchange: every rank's request up to the coordinator, its answer back down (the same
         record for all, or one per rank). Raises SaveError on every rank if the answer is a failure."""
         planning = isinstance(ask, PlanRequest)  # its tensor entries merged on the way up
+        committing = isinstance(ask, WriteReport)
         try:
             if planning:
                 raw = comm.gather(plan_message(ask, comm.rank), op, request.timeout, merge=merge_plan_messages)
@@ -225,10 +231,18 @@ class SaveRounds:
                 answer = decide(request, records, comm.world_size)
             except Exception as e:  # noqa: BLE001 - sent to every rank so that every rank raises
                 answer = SaveFailed(request.save, _message(e))
+            if committing and isinstance(answer, SaveFailed):  # a rank giving up later finds it settled
+                comm.settle(op, _outcome(ABORT, request.save, answer.error))
         if isinstance(answer, list):
             received = comm.scatter(answer, op, request.timeout)
         else:
-            received = comm.broadcast(codec.to_wire(answer) if answer is not None else None, op, request.timeout)
+            try:
+                received = comm.broadcast(codec.to_wire(answer) if answer is not None else None, op,
+                                          request.timeout)
+            except CommTimeoutError as e:
+                if not committing:
+                    raise
+                received = _answer_after_giving_up(comm, request, op, e)
         try:
             answer = codec.from_wire(received, (UseCachedPlan, ResendStructure, PlanReply, Committed, SaveFailed))
         except MetadataError as e:
@@ -240,6 +254,30 @@ class SaveRounds:
             raise SaveError(f"{request.what}: this rank is at {request.save} but the coordinator answered for "
                             f"{answer.save}; the ranks' saves drifted apart")
         return answer
+
+
+# The outcome of a commit round, settled once in the store (`Comm.settle`) by whichever comes first:
+# the coordinator about to commit, or a rank that gave up waiting for its answer.
+COMMIT, ABORT = "commit", "abort"
+
+
+def _outcome(verdict: str, save: SaveId, why: str | None = None) -> str:
+    return f"{verdict}|{save}" if why is None else f"{verdict}|{save}|{why}"
+
+
+def _answer_after_giving_up(comm: Comm, request: SaveRequest, op: str, waited: CommTimeoutError):
+    """A rank that waited too long for the commit round's answer (the coordinator still writing, or
+    gone): the save fails on every rank, unless the coordinator had already begun to commit it; then
+    its answer is on the way, and this rank waits for it once more."""
+    held = comm.settle(op, _outcome(ABORT, request.save, f"rank {comm.rank} gave up waiting for the commit: {waited}"))
+    if held != _outcome(COMMIT, request.save):  # this rank's abort, or the coordinator's failure
+        raise SaveError(f"{request.what} failed and was not committed: "
+                        f"{held.removeprefix(_outcome(ABORT, request.save, ''))}") from None
+    try:
+        return comm.broadcast(None, op, request.timeout)
+    except CommTimeoutError as e:
+        raise CommTimeoutError(f"{request.what}: the coordinator began committing it, but its answer never "
+                               f"came, so whether it was committed is not known here: {e}") from None
 
 
 # ----------------------------------------------------------------------------- probes (multi-node jobs)

@@ -37,81 +37,111 @@ from .utils import this_rank
 log = logging.getLogger("bcp")
 
 
+class StagingLease:
+    """One acquisition of a staging slot: releasing it frees that slot only if this acquisition
+    still holds it, so a late release can never free a slot another save has taken since."""
+
+    __slots__ = ("slot",)
+
+    def __init__(self, slot: _Slot):
+        self.slot = slot
+
+
+class _Slot:
+    """One set of staging buffers, for the pool key it was made for."""
+
+    __slots__ = ("key", "buffers", "holder")
+
+    def __init__(self, key: tuple, buffers: list[torch.Tensor]):
+        self.key, self.buffers = key, buffers
+        self.holder: StagingLease | None = None  # the acquisition writing from it, if any
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self.buffers)
+
+    def __len__(self) -> int:
+        return len(self.buffers)
+
+
 class StagingPool:
-    """Host buffers reused across asynchronous saves: two slots (ping-pong) for the current plan.
+    """Host buffers reused across asynchronous saves: at most two slots (ping-pong), whatever the keys.
 
     Save k+1 stages into one slot while save k still writes from the other. The second slot is
-    allocated only when a save finds the first still in use.
+    allocated only when a save finds the first still in use. Slots in use are never dropped, even
+    when the key changes (a save of another structure): they count against the two, so a role never
+    holds more than two sets of buffers, and a third save waits for the oldest.
     """
 
     def __init__(self):
-        self._key: tuple | None = None
-        self._slots: list[list[torch.Tensor] | None] = [None, None]
-        self._busy = [False, False]
-        # the slots of the previous key, while its boxes may serve the current one (see `_adopt`)
-        self._old: tuple[tuple, list, list] | None = None
+        self._key: tuple | None = None  # the key of the latest acquire or warm-up
+        self._slots: list[_Slot] = []
         self._lock = threading.Lock()
 
-    def acquire(self, key: tuple, sources: list[torch.Tensor]) -> tuple[int, list[torch.Tensor]] | None:
+    def acquire(self, key: tuple, sources: list[torch.Tensor]) -> tuple[StagingLease, list[torch.Tensor]] | None:
+        """A slot for `key`: this acquisition's lease (for `release`) and its buffers; None while two
+        slots are in use."""
         with self._lock:
-            if key != self._key:  # the layout changed: a new pair of slots
-                if self._key is not None and key[0] == self._key[0]:
-                    self._old = (self._key, self._slots, self._busy)
-                else:
-                    self._old = None
-                self._key, self._slots, self._busy = key, [None, None], [False, False]
-            for i in (0, 1):
-                if not self._busy[i]:
-                    if self._slots[i] is None:
-                        self._slots[i] = self._adopt(key) or [host_buffer(s) for s in sources]
-                    self._busy[i] = True
-                    return i, self._slots[i]
-            return None
+            self._key = key
+            slot = next((s for s in self._slots if s.key == key and s.holder is None), None)
+            if slot is None:
+                adopted = self._adopt(key)
+                self._drop_free_of_other_keys()
+                if len(self._slots) >= 2:
+                    return None
+                slot = _Slot(key, adopted or [host_buffer(s) for s in sources])
+                self._slots.append(slot)
+            lease = slot.holder = StagingLease(slot)
+            return lease, slot.buffers
 
     def _adopt(self, key: tuple) -> list[torch.Tensor] | None:
-        """Buffers of a free slot of the previous key with the same structure that has every box of
-        `key`: the first save of a structure stages every box a rank holds, later ones the boxes
-        the plan gave it, so their buffers are already faulted in. The caller holds the lock."""
-        if self._old is None:
-            return None
-        old_key, slots, busy = self._old
-        adopted = None
-        for i in (0, 1):
-            if slots[i] is not None and not busy[i]:
-                by_box = dict(zip(old_key[1], slots[i]))
-                slots[i] = None  # each buffer serves one slot; the boxes not taken are freed
+        """Buffers of a free slot of another key of the same structure that has every box of `key`:
+        the first save of a structure stages every box a rank holds, later ones the boxes the plan
+        gave it, so their buffers are already faulted in. The caller holds the lock."""
+        for s in self._slots:
+            if s.holder is None and s.key[0] == key[0]:
+                by_box = dict(zip(s.key[1], s.buffers))
                 if all(box in by_box for box in key[1]):
-                    adopted = [by_box[box] for box in key[1]]
-                    break
-        if not any(busy):  # no slot of the old key left to come back
-            self._old = None
-        return adopted
+                    self._slots.remove(s)  # each buffer serves one slot; the boxes not taken are freed
+                    return [by_box[box] for box in key[1]]
+        return None
 
-    def release(self, key: tuple, slot: int) -> None:
+    def _drop_free_of_other_keys(self) -> None:
+        """Free slots of other keys will not be used again: their memory goes. The caller holds the lock."""
+        self._slots = [s for s in self._slots if s.key == self._key or s.holder is not None]
+
+    def release(self, key: tuple, lease: StagingLease) -> None:
+        """End `lease`'s use of its slot (acquired for `key`); no effect if it was released already.
+        The lease, not the key, says which slot: the key may have a newer slot in use by now."""
         with self._lock:
-            if key == self._key:
-                self._busy[slot] = False
-            elif self._old is not None and key == self._old[0]:
-                self._old[2][slot] = False
+            slot = lease.slot
+            if slot.holder is not lease:
+                return
+            slot.holder = None
+            # a slot of another structure is not used again; one of the same structure may be
+            # adopted by the next save (`_adopt`)
+            if self._key is not None and slot.key[0] != self._key[0]:
+                self._slots.remove(slot)
 
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for slot in self._slots if slot for b in slot)
+        with self._lock:
+            return sum(b.numel() * b.element_size() for s in self._slots for b in s.buffers)
 
     def warm(self, key: tuple) -> bool:
         with self._lock:
-            return key == self._key and any(slot is not None for slot in self._slots)
+            return any(s.key == key for s in self._slots)
 
     def warm_up(self, key: tuple, sources: list[torch.Tensor]) -> None:
-        """Allocate and touch one slot's buffers for `key` before a save needs them."""
+        """Allocate and touch one slot's buffers for `key` before a save needs them (kept only if the
+        pool has room: slots in use stay theirs)."""
         buffers = [host_buffer(s) for s in sources]
         with torch.no_grad():
             for b in buffers:
                 b.zero_()  # fault the pages in here, not in the next save's copy
         with self._lock:
-            if key != self._key:
-                self._key, self._slots, self._busy = key, [None, None], [False, False]
-            if self._slots[0] is None and not self._busy[0]:
-                self._slots[0] = buffers
+            self._key = key
+            self._drop_free_of_other_keys()
+            if len(self._slots) < 2 and not any(s.key == key for s in self._slots):
+                self._slots.append(_Slot(key, buffers))
                 for b in buffers:
                     _mark_filled(b)
 

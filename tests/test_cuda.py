@@ -122,12 +122,9 @@ def _pinned_where_on_cuda(pairs) -> bool:
 
 
 def _pool_buffers(role: str) -> list[torch.Tensor]:
-    """Every staging buffer the role's pool holds (both slots, and those of a previous layout)."""
+    """Every staging buffer the role's pool holds (its slots, whatever layout each was made for)."""
     pool = get_checkpointer(role).snapshots.pool
-    slots = [s for s in pool._slots if s]
-    if pool._old is not None:
-        slots += [s for s in pool._old[1] if s]
-    return [b for slot in slots for b in slot]
+    return [b for slot in pool._slots for b in slot]
 
 
 # ----------------------------------------------------------------------------- model + optimizer round trip

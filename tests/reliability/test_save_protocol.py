@@ -11,7 +11,9 @@ committed step of the root is loaded and must hold one step's values.
 from __future__ import annotations
 
 import errno
+import json
 import os
+import threading
 import time
 from datetime import timedelta
 
@@ -228,3 +230,181 @@ def test_faults_on_one_rank_never_mix_or_lose_saves(tmp_path):
         assert r["keep_rotated"] == [2, 3] and r["keep"] == [2, 3]
     assert results[0]["early_cached"] == 1 and results[1]["early_cached"] == 0  # the race really happened
     assert [r["early_plans"] for r in results] == [1, 1]  # rank 1 got the one plan again: not a second plan
+
+
+# ----------------------------------------------------------------------------- one process
+
+def test_a_staging_slot_is_freed_only_by_the_save_that_took_it(tmp_path, monkeypatch):
+    """Async saves of two structures by one role, on slow storage: the end of an earlier save never
+    frees the staging slot a later save still writes from, so each step holds its own call's values
+    (the later save used to copy into that slot, silently: the checksums matched its bytes)."""
+    from bcp_core import checkpointer, staging
+    gates = {1: threading.Event(), 3: threading.Event()}  # saves 1 and 3 write slowly
+    write = checkpointer.Checkpointer._write
+
+    def slow_write(self, comm, request, progress):
+        gate = gates.get(request.save.number)
+        if gate is not None:
+            assert gate.wait(60)
+        return write(self, comm, request, progress)
+    acquire = staging.StagingPool.acquire
+    asked = []
+
+    def acquire_then_end_save_1(pool, key, sources):
+        got = acquire(pool, key, sources)
+        asked.append(key)
+        if len(asked) == 3:  # save 1 ends once save 3 has asked for a slot
+            gates[1].set()
+        return got
+    monkeypatch.setattr(checkpointer.Checkpointer, "_write", slow_write)
+    monkeypatch.setattr(staging.StagingPool, "acquire", acquire_then_end_save_1)
+    full, small = {"w": torch.zeros(1024)}, {"v": torch.zeros(8)}  # e.g. a training and an evaluation save
+
+    def save(state, step):
+        for t in state.values():
+            t.fill_(step)
+        return bcp.save(tmp_path, state, step=step, async_save=True, snapshot="copy", role="slots")
+    h1, h2, h3 = save(full, 1), save(small, 2), save(full, 3)
+    h1.wait(60), h2.wait(60)
+    h4 = save(full, 4)  # save 3 still writes
+    pool = checkpointer.get_checkpointer("slots").snapshots.pool
+    assert pool.nbytes() <= 2 * full["w"].nbytes  # two sets of buffers at most, whatever the structures
+    gates[3].set()
+    h3.wait(60), h4.wait(60)
+    for step, state in ((1, full), (2, small), (3, full), (4, full)):
+        target = {k: torch.empty_like(v) for k, v in state.items()}
+        bcp.load(tmp_path / f"step_{step:08d}", target)
+        assert all(torch.equal(t, torch.full_like(t, step)) for t in target.values()), (step, target)
+
+
+def test_staging_slots_in_use_stay_theirs_whatever_the_key():
+    """A slot in use is never handed out again, and never forgotten, when another key comes (a save
+    or `prepare_save` of another structure) or when a release comes late; the pool holds two slots at most."""
+    from bcp_core.staging import StagingPool
+    pool = StagingPool()
+    one, other = ("one", ((0, 0),)), ("other", ((0, 0),))
+    first_lease, first = pool.acquire(one, [torch.ones(4)])
+    pool.warm_up(other, [torch.ones(8)])  # buffers for another structure, meanwhile
+    second_lease, second = pool.acquire(one, [torch.ones(4)])
+    assert second[0] is not first[0]
+    assert pool.acquire(other, [torch.ones(8)]) is None  # two slots in use: a third save waits
+    pool.release(one, first_lease)
+    pool.release(one, first_lease)  # a second release of the same acquisition changes nothing
+    third_lease, third = pool.acquire(one, [torch.ones(4)])
+    assert third[0] is not second[0]  # the second save still writes from its slot
+    assert pool.acquire(one, [torch.ones(4)]) is None
+    pool.release(one, second_lease)
+    pool.release(one, third_lease)
+    assert pool.nbytes() <= 2 * 16
+
+
+def test_user_metadata_is_taken_at_the_call(tmp_path, monkeypatch):
+    """An async save commits `user_metadata` as it was at the call, though the caller changes nested
+    values afterwards; a value the metadata (JSON) cannot hold fails the save naming its key."""
+    from bcp_core import checkpointer
+    gate = threading.Event()
+    write = checkpointer.Checkpointer._write
+
+    def slow_write(*args):
+        assert gate.wait(60)  # training goes on before the background write
+        return write(*args)
+    monkeypatch.setattr(checkpointer.Checkpointer, "_write", slow_write)
+    losses = [1.0]
+    handle = bcp.save(tmp_path, {"w": torch.ones(4)}, step=1, async_save=True, role="user-metadata",
+                      user_metadata={"losses": losses, "run": {"seed": 3}})
+    losses.append(2.0)  # the next training step
+    gate.set()
+    handle.wait(60)
+    with open(tmp_path / "step_00000001" / "bcp_metadata.json") as f:
+        assert json.load(f)["user"] == {"losses": [1.0], "run": {"seed": 3}}
+    with pytest.raises(bcp.SaveError, match=r"user_metadata\['lr'\] cannot be saved"):
+        bcp.save(tmp_path, {"w": torch.ones(4)}, step=2, role="user-metadata",
+                 user_metadata={"run": {"seed": 3}, "lr": torch.tensor(0.1)})
+    assert not (tmp_path / "step_00000002" / "bcp_metadata.json").exists()
+
+
+def _commit_waits(rank, world_size, base):
+    """Rank 1 gives up waiting for the commit answer while rank 0 is still writing (1), or while it is
+    committing (2). Only rank 1, the rank that gives up, has a short timeout, and it starts its
+    clocks once rank 0 is in the exchange (docs/reliability.md, "Injecting faults")."""
+    from bcp_core import checkpointer, save_rounds
+    from bcp_core.comm import Comm
+    events = os.path.join(base, "{}_{}")  # what happened, and to which save
+
+    def save(step, timeout=timedelta(seconds=120)):
+        dist.barrier()
+        committed = []
+
+        def on_commit(path):
+            committed.append(path)
+            mark(events.format("committed", step))
+        handle = bcp.save(base, _state(rank, step), step=step, async_save=True, role="commit-wait", timeout=timeout,
+                          on_commit=on_commit)
+        if rank == 1:  # tell rank 0 once this rank gave up, or its save ended (without the fix, it never says)
+            while not handle.done() and not os.path.exists(events.format("gave_up", step)):
+                time.sleep(0.01)
+            mark(events.format("gave_up", step))
+        try:
+            handle.wait(120)
+            return "committed" if committed else "no on_commit"
+        except bcp.BCPError as e:
+            return f"{type(e).__name__}: {e}"
+
+    agree = save_rounds.SaveRounds.agree
+
+    def agree_together(self, comm, request, progress, op, **kwargs):
+        if comm.rank == 0:
+            mark(events.format("planning", request.save.number))
+        else:
+            wait_for_file(events.format("planning", request.save.number))
+        return agree(self, comm, request, progress, op, **kwargs)
+    settle = Comm.settle
+
+    def settle_and_say(self, op, outcome):
+        held = settle(self, op, outcome)
+        number = op.split("/")[0][1:]
+        if self.rank == 1:
+            mark(events.format("gave_up", number))
+            if held.startswith(save_rounds.COMMIT):  # its answer comes: here once rank 0 sent it
+                wait_for_file(events.format("committed", number))
+        return held
+    write = checkpointer.Checkpointer._write
+
+    def write_after_rank_1_gave_up(self, comm, request, progress):
+        if comm.rank == 0:
+            wait_for_file(events.format("gave_up", request.save.number))
+        return write(self, comm, request, progress)
+    remove_stale_files = save_rounds._remove_stale_files
+
+    def commit_after_rank_1_gave_up(ckpt, md, token):
+        wait_for_file(events.format("gave_up", 2))
+        return remove_stale_files(ckpt, md, token)
+
+    out = {}
+    short = timedelta(seconds=2 if rank == 1 else 120)  # rank 1 waits twice this for the answer
+    with _patched(save_rounds.SaveRounds, "agree", lambda _: agree_together), \
+            _patched(Comm, "settle", lambda _: settle_and_say):
+        # 1. Rank 0 writes its pieces after rank 1 gave up: the save fails on both ranks, nothing is
+        #    committed (rank 0 used to commit it, while rank 1 raised).
+        with _patched(checkpointer.Checkpointer, "_write", lambda _: write_after_rank_1_gave_up):
+            out["gave_up_first"] = save(1, short)
+        dist.barrier()
+        out["committed_after_1"] = _committed_steps(base)
+        # 2. Rank 0 began committing before rank 1 gave up: rank 1 waits for the answer, and the
+        #    save is committed on both ranks (rank 1 used to raise).
+        with _patched(save_rounds, "_remove_stale_files", lambda _: commit_after_rank_1_gave_up):
+            out["commit_first"] = save(2, short)
+    out["last"] = save(3)  # the next save is undisturbed
+    dist.barrier()
+    out["committed"] = _assert_each_step_whole(base)
+    return out
+
+
+def test_a_rank_giving_up_on_the_commit_and_the_commit_exclude_each_other(tmp_path):
+    results = run_ranks(2, _commit_waits, str(tmp_path), timeout=120)
+    for r in results:
+        assert r["gave_up_first"].startswith("SaveError: ") and "was not committed" in r["gave_up_first"], r
+        assert r["committed_after_1"] == []
+        assert r["commit_first"] == "committed" and r["last"] == "committed", r
+        assert r["committed"] == [2, 3]
+    assert "rank 1 gave up waiting for the commit" in results[0]["gave_up_first"]
