@@ -286,3 +286,42 @@ def test_megatron_checkpoint_loads_into_zero3_through_the_mapping(tmp_path):
     run = Job("deepspeed_train.py", 2, "--phase", "megatron", "--root", str(tmp_path), env=ENV)
     assert run.finish(timeout=400) == 0, run.output[-6000:]
     assert all((tmp_path / f"megatron_ok_rank{r}").exists() for r in (0, 1))
+
+
+def _hf_resume_job(nproc: int, root, *args: str, env: dict | None = None) -> None:
+    os.makedirs(root, exist_ok=True)
+    run = Job("hf_deepspeed_resume.py", nproc, "--root", str(root), *args, env={**ENV, **(env or {})})
+    assert run.finish(timeout=400) == 0, run.output[-6000:]
+
+
+@pytest.mark.timeout(600)
+def test_plain_hf_trainer_resumes_deepspeeds_own_zero3_checkpoint_with_bcp_imported(tmp_path):
+    """bcp reads DeepSpeed's own checkpoints, but they are not bcp's: a plain Trainer under ZeRO-3 in a
+    process that imported bcp_integrations.hf saves DeepSpeed's checkpoint-2 (no model.safetensors)
+    and resumes it through DeepSpeed as without bcp, at step 2's values (it was refused as "a bcp
+    checkpoint ... use BCPTrainer")."""
+    _hf_resume_job(1, tmp_path, "--native", "--zero", "3", "--steps", "2")
+    ckpt = tmp_path / "checkpoint-2"
+    assert "global_step2" in os.listdir(ckpt) and not (ckpt / "model.safetensors").exists()
+    assert not (ckpt / "bcp_metadata.json").exists()
+    _hf_resume_job(1, tmp_path, "--native", "--zero", "3", "--steps", "4", "--resume")
+    _same_reference(torch.load(tmp_path / "resumed" / "reference_2.pt"), torch.load(tmp_path / "reference_2.pt"))
+    assert "global_step4" in os.listdir(tmp_path / "checkpoint-4")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bcp_trainer_zero2_resumes_from_tiers_bit_identical(tmp_path):
+    """BCPTrainer under DeepSpeed ZeRO-2 on 2 ranks, each a simulated node (BCP_LOCAL_WORLD_SIZE=1),
+    saving to tiers (BCPCallback(tiers=...)): stopped after step 2, `train(resume_from_checkpoint=tiers)`
+    starts from step 2's weights, Adam moments, scheduler and engine counters, bit for bit, and reaches
+    the uninterrupted run's step-4 state and losses (the Trainer handed DeepSpeed's loader the folder
+    holding only the trainer state: "Can't find a valid checkpoint")."""
+    env = {"BCP_LOCAL_WORLD_SIZE": "1"}
+    full, part, resumed = tmp_path / "full", tmp_path / "part", tmp_path / "resumed"
+    _hf_resume_job(2, full, "--zero", "2", "--tiers", str(tmp_path / "full_tiers"), env=env)
+    _hf_resume_job(2, part, "--zero", "2", "--stop-at", "2", "--tiers", str(tmp_path / "tiers"), env=env)
+    _hf_resume_job(2, resumed, "--zero", "2", "--resume", "--tiers", str(tmp_path / "tiers"), env=env)
+    _same_reference(torch.load(resumed / "resumed" / "reference_2.pt"), torch.load(part / "reference_2.pt"))
+    _same_reference(torch.load(resumed / "reference_4.pt"), torch.load(full / "reference_4.pt"))
+    assert {**_losses(part), **_losses(resumed)} == _losses(full) and sorted(_losses(resumed)) == [3, 4]

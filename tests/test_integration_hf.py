@@ -256,3 +256,108 @@ def test_bcp_trainer_train_dataloader_state_resharded_2_to_1(tmp_path):
                     + [t for i in range(12) for t in range(5000 + 100 * i, 5000 + 100 * i + 2 + i % 3)])
     assert before and after
     assert before + after == epoch  # nothing skipped, nothing repeated
+
+
+def _scores(*values: float):
+    """compute_metrics giving `values` in turn as the "score" of each evaluation."""
+    it = iter(values)
+    return lambda prediction: {"score": next(it)}
+
+
+@pytest.mark.timeout(300)
+def test_bcp_trainer_last_async_save_commits_before_the_trainer_removes_all_but_the_best(tmp_path, monkeypatch):
+    """save_total_limit=1 with metric_for_best_model, the best checkpoint not the last: after the last
+    step the Trainer removes every checkpoint-* but the best, before `on_train_end`. The last save
+    (asynchronous) is held at its first data write until that removal has run (3 s at most): once
+    train() has logged its final metrics it waits for the save, so the removal comes after the commit:
+    train() returns, only the best checkpoint is left, whole. (Before, the removal ran under the
+    write: train() raised the save's error, or a half-removed checkpoint-4 was left.)"""
+    import shutil
+    import threading
+
+    from transformers import TrainerCallback
+
+    from bcp_core.storage.faults import Fault, inject
+    from bcp_integrations.hf import BCPTrainer
+    from dist import bcp_verify
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "out"
+    removed = threading.Event()
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        real_rmtree(path, *args, **kwargs)
+        if os.path.basename(os.path.normpath(path)) == "checkpoint-4":
+            removed.set()
+
+    held = []
+
+    def hold(call):
+        if not held:
+            held.append(call.path)
+            removed.wait(timeout=3)
+
+    class Weights(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kw):
+            if state.global_step == 2:
+                self.step2 = {k: v.clone() for k, v in model.state_dict().items()}
+
+    weights = Weights()
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    trainer = _tiny_trainer(BCPTrainer, out, [weights], max_steps=4, save_strategy="steps", save_steps=2,
+                            eval_strategy="steps", eval_steps=2, save_total_limit=1, metric_for_best_model="score",
+                            greater_is_better=True)
+    trainer.compute_metrics = _scores(1.0, 0.0)
+    with inject(Fault("write", hook=hold, path="*/checkpoint-4/data/*")):
+        trainer.train()
+    assert held and removed.is_set()
+    assert trainer.state.best_model_checkpoint == str(out / "checkpoint-2")
+    assert os.listdir(out) == ["checkpoint-2"]
+    bcp_verify(str(out / "checkpoint-2"))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_resume import MODEL
+    fresh = LlamaForCausalLM(LlamaConfig(**MODEL, attn_implementation="eager"))
+    bcp.load(out / "checkpoint-2", {"model": fresh})
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(weights.step2[k], v), k
+
+
+@pytest.mark.timeout(300)
+def test_hf_callback_alone_saves_the_callbacks_state_and_refuses_load_best_model_at_end(tmp_path, monkeypatch):
+    """A plain Trainer with BCPCallback: each checkpoint holds the stateful callbacks' state as of its
+    save (as the Trainer's own checkpoints do), so BCPTrainer resuming it with
+    restore_callback_states_from_checkpoint continues EarlyStoppingCallback's patience counter; and
+    load_best_model_at_end, which only the mixin honours, raises naming BCPTrainer."""
+    from transformers import EarlyStoppingCallback, Trainer
+
+    from bcp_integrations.hf import BCPCallback, BCPTrainer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "out"
+    evals = dict(eval_strategy="steps", eval_steps=1, metric_for_best_model="score", greater_is_better=True,
+                 save_strategy="steps", save_steps=4)
+    stopper = EarlyStoppingCallback(early_stopping_patience=10)
+    trainer = _tiny_trainer(Trainer, out, [BCPCallback(), stopper], max_steps=4, **evals)
+    trainer.compute_metrics = _scores(1.0, 0.0, 0.0, 0.0)
+    trainer.train()
+    assert stopper.early_stopping_patience_counter == 3
+    # saved at the end of step 4, before that step's evaluation: evaluations 2 and 3 did not improve
+    saved = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
+    assert saved["stateful_callbacks"]["EarlyStoppingCallback"]["attributes"] == {"early_stopping_patience_counter": 2}
+    in_bcp = {"trainer_state": None}
+    bcp.load(out / "checkpoint-4", in_bcp)
+    assert json.loads(in_bcp["trainer_state"])["stateful_callbacks"] == saved["stateful_callbacks"]
+
+    resumed = _tiny_trainer(BCPTrainer, out, [EarlyStoppingCallback(early_stopping_patience=10)], max_steps=5,
+                            restore_callback_states_from_checkpoint=True, **evals)
+    resumed.compute_metrics = _scores(0.0)
+    resumed.train(resume_from_checkpoint=True)
+    restored = [c for c in resumed.callback_handler.callbacks if isinstance(c, EarlyStoppingCallback)]
+    assert [c.early_stopping_patience_counter for c in restored] == [3]  # 2 restored, + step 5's
+
+    with pytest.raises(ValueError, match="load_best_model_at_end .*use BCPTrainer"):
+        _tiny_trainer(Trainer, tmp_path / "best", [BCPCallback()], max_steps=2, load_best_model_at_end=True,
+                      **{**evals, "save_steps": 1}).train()
+    assert not (tmp_path / "best").exists() or not os.listdir(tmp_path / "best")

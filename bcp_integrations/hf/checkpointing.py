@@ -2,7 +2,9 @@
 
 Importing this module also guards ``Trainer._load_from_checkpoint`` (see
 ``_guard_plain_trainer_resume``): a Trainer without the mixin, asked to resume a bcp checkpoint,
-fails at once with one line naming BCPTrainer instead of HF's "Can't find a valid checkpoint".
+fails at once with one line naming BCPTrainer instead of HF's "Can't find a valid checkpoint" (and
+DeepSpeed's resume the same way, `_guard_deepspeed_resume`), and lets a BCPCallback know the
+Trainer's CallbackHandler that holds it (`_track_callback_handler`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import bcp_core as bcp
 from bcp_core import codec, metrics
 from bcp_core.dataloader import checkpointable
 from bcp_core.integration import restore_rng, run_state
-from bcp_core.layout import HF_STEPS, latest_complete, list_checkpoints
+from bcp_core.foreign import foreign_format
+from bcp_core.layout import HF_STEPS, latest_complete, list_checkpoints, resolve
 from bcp_core.rng import set_rng_state
 from bcp_core.tiers import locate
 from bcp_core.tiers.recovery import SET_ASIDE_ROUNDS
@@ -44,10 +47,13 @@ class BCPCallback(TrainerCallback):
     Alone, the callback takes over the saves that ``save_strategy="steps"`` and ``"epoch"`` trigger:
     when the Trainer is about to save, it writes ``checkpoint-<step>/`` with bcp (model, optimizer,
     LR scheduler, each rank's RNG states, the trainer state) and clears ``control.should_save`` so
-    the Trainer writes nothing itself. ``save_total_limit`` is applied once the new checkpoint is
-    committed. With ``BCPTrainerMixin`` (or ``BCPTrainer``) the Trainer also resumes from these
-    checkpoints and ``save_strategy="best"`` / ``load_best_model_at_end`` work: the Trainer has no
-    public hook for either, so the mixin overrides its checkpoint methods (see docs/integrations.md).
+    the Trainer writes nothing itself. The trainer state saved holds the stateful callbacks' state
+    (EarlyStoppingCallback's counter, ...) as of the save, as the Trainer's own checkpoints do; the
+    save comes at the end of the step, before that step's evaluation. ``save_total_limit`` is
+    applied once the new checkpoint is committed. With ``BCPTrainerMixin`` (or ``BCPTrainer``) the
+    Trainer also resumes from these checkpoints and ``save_strategy="best"`` /
+    ``load_best_model_at_end`` work (alone, the callback raises for either): the Trainer has no
+    public hook for them, so the mixin overrides its checkpoint methods (see docs/integrations.md).
     A plain Trainer asked to resume a bcp checkpoint raises a one-line ValueError naming them.
 
     Args:
@@ -78,6 +84,7 @@ class BCPCallback(TrainerCallback):
         self.num_threads = num_threads
         self.preemption: bcp.Preemption | None = bcp.handle_preemption() if preemption else None
         self.trainer: Trainer | None = None  # set by BCPTrainerMixin
+        self._handler = None  # the Trainer's CallbackHandler holding this callback (_track_callback_handler)
         self._pending: bcp.SaveHandle | None = None
         self._pending_rotation: tuple[str, int | None, str | None] | None = None
         self._prepared = False
@@ -88,7 +95,16 @@ class BCPCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         """Add the phase timings of the last committed save or load (`bcp/save/write_s`, ...) to the
         logs: reporting callbacks placed after this one (BCPTrainer puts it first) see them, and
-        they are kept in `state.log_history`."""
+        they are kept in `state.log_history`.
+
+        The final metrics of ``train()`` (logged once, after the last step) first wait for the save
+        in flight: right after them the Trainer touches the checkpoints (``load_best_model_at_end``
+        loads the best; ``save_total_limit=1`` with a best checkpoint removes every other
+        ``checkpoint-*``, the last one included), and ``on_train_end`` comes only after that. This
+        log is the last callback event before, and a public one: no override of the Trainer's
+        private end-of-training code, which moves between versions, is needed."""
+        if logs is not None and _FINAL_TRAIN_METRICS <= logs.keys():
+            self.wait()
         values = self._metrics.pop()
         if values and logs is not None:
             logs.update(values)
@@ -99,6 +115,10 @@ class BCPCallback(TrainerCallback):
         if self.trainer is None and args.save_strategy == SaveStrategy.BEST:
             raise ValueError("BCPCallback: save_strategy='best' is decided inside the Trainer, after the "
                              "callbacks run; use BCPTrainer (or BCPTrainerMixin) for it")
+        if self.trainer is None and args.load_best_model_at_end:
+            raise ValueError("BCPCallback: load_best_model_at_end needs the Trainer to track and load bcp's "
+                             "best checkpoint, which a callback cannot do; use BCPTrainer (or BCPTrainerMixin) "
+                             "for it")
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.async_save and not self._prepared:
@@ -132,6 +152,8 @@ class BCPCallback(TrainerCallback):
         if self.trainer is not None or not control.should_save:
             return
         output_dir = os.path.join(args.output_dir, HF_STEPS.name(state.global_step))
+        if self._handler is not None:  # as the Trainer's own save does (the mixin's: _save_checkpoint)
+            _refresh_stateful_callbacks(state, self._handler.callbacks, control)
         self.save(output_dir, args, state, *self._objects(kwargs))
         control.should_save = False
 
@@ -199,6 +221,51 @@ class BCPCallback(TrainerCallback):
         if limit is not None and _is_main_process():
             # only after the commit: a failed save must never cost the older checkpoints
             _rotate(run_dir, limit, best)
+
+
+# The keys of the metrics train() logs once, after its last step (speed_metrics("train"), the loss of
+# the whole run, the FLOPs); a periodic log holds "loss", and at most "train_runtime" among them.
+_FINAL_TRAIN_METRICS = frozenset({"train_runtime", "train_loss", "total_flos"})
+
+
+def _refresh_stateful_callbacks(state, callbacks, control) -> None:
+    """Put the current state of each `ExportableState` callback (EarlyStoppingCallback's patience
+    counter, ...) and of `control` into ``state.stateful_callbacks``, as the Trainer's own
+    ``_save_checkpoint`` does before it writes the trainer state (and, as it does, appending to the
+    list kept for several callbacks of one class)."""
+    from transformers.trainer_callback import ExportableState
+    for cb in [c for c in list(callbacks) + [control] if isinstance(c, ExportableState)]:
+        name = cb.__class__.__name__
+        if isinstance(state.stateful_callbacks.get(name), list):
+            state.stateful_callbacks[name].append(cb.state())
+        else:
+            state.stateful_callbacks[name] = cb.state()
+
+
+def _track_callback_handler() -> None:
+    """Let a ``BCPCallback`` used without the mixin know the Trainer's ``CallbackHandler`` that holds
+    it: no callback event passes the other callbacks, whose state the callback's saves write into
+    the trainer state as the Trainer's own saves do. ``CallbackHandler.add_callback`` (through which
+    the Trainer adds every callback, from its constructor or ``Trainer.add_callback``) is wrapped
+    once, in the class; it does what it did, and records the handler on a BCPCallback."""
+    from transformers.trainer_callback import CallbackHandler
+    original = getattr(CallbackHandler, "add_callback", None)
+    if original is None or getattr(original, "_bcp_guard", False):
+        return
+
+    @functools.wraps(original)
+    def add_callback(self, callback, *args, **kwargs):
+        result = original(self, callback, *args, **kwargs)
+        for cb in self.callbacks:
+            if isinstance(cb, BCPCallback):
+                cb._handler = self
+        return result
+
+    add_callback._bcp_guard = True
+    CallbackHandler.add_callback = add_callback
+
+
+_track_callback_handler()
 
 
 class BCPTrainerMixin:
@@ -277,6 +344,7 @@ class BCPTrainerMixin:
             with open(os.path.join(folder, TRAINER_STATE_NAME), "w") as f:
                 f.write(codec.decode(md.objects["trainer_state"].encoded, "trainer_state", False))
             self._bcp_resume_folder, self._bcp_damaged = folder, None
+            _resuming.trainer = self  # under DeepSpeed the Trainer hands `folder` to deepspeed_load_checkpoint
             try:
                 return super().train(folder, *args, **kwargs)
             except bcp.DamagedStepError as e:
@@ -285,6 +353,7 @@ class BCPTrainerMixin:
                     raise
                 log.warning("%s; training starts again from that step", e)
             finally:
+                _resuming.trainer = None
                 self._bcp_located = self._bcp_resume_folder = None
                 shutil.rmtree(folder, ignore_errors=True)
         raise AssertionError("unreachable")
@@ -306,13 +375,7 @@ class BCPTrainerMixin:
         self.bcp.save(output_dir, self.args, self.state, *self.bcp._objects({}))
 
     def _update_exportable_callbacks(self) -> None:
-        from transformers.trainer_callback import ExportableState
-        for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
-            name = cb.__class__.__name__
-            if isinstance(self.state.stateful_callbacks.get(name), list):
-                self.state.stateful_callbacks[name].append(cb.state())
-            else:
-                self.state.stateful_callbacks[name] = cb.state()
+        _refresh_stateful_callbacks(self.state, self.callback_handler.callbacks, self.control)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
         # Weights are loaded together with the optimizer in _load_optimizer_and_scheduler, after
@@ -377,19 +440,28 @@ _HF_WEIGHT_FILES = (WEIGHTS_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, SAFE_WE
                     ADAPTER_SAFE_WEIGHTS_NAME)
 
 
-def _is_bcp_checkpoint_only(path) -> bool:
-    """`path` is a bcp checkpoint (committed or not) holding none of HF's own weight files."""
+def _checkpoint_kind(path) -> str | None:
+    """What reads checkpoint directory `path`, when it holds none of HF's own weight files: "bcp"
+    (bcp's own checkpoint, committed or not), "foreign" (another system's that bcp reads as it is:
+    DeepSpeed's own ``global_step*`` folders, see bcp_core.foreign), else None (HF's own, or no
+    checkpoint). Reads no metadata."""
     if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
-        return False
+        return None
     if any(os.path.isfile(os.path.join(path, name)) for name in _HF_WEIGHT_FILES):
-        return False
+        return None
     try:
-        bcp.inspect(path)
+        st = resolve(path)
     except bcp.NotACheckpointError:
-        return False
+        return None
     except bcp.BCPError:
-        return True  # bcp's, but not committed or not readable
-    return True
+        return "bcp"  # bcp's, but not committed
+    return "foreign" if foreign_format(st) is not None else "bcp"
+
+
+def _is_bcp_checkpoint_only(path) -> bool:
+    """`path` is bcp's own checkpoint (committed or not; not another system's that bcp reads) holding
+    none of HF's own weight files: what only the mixin resumes."""
+    return _checkpoint_kind(path) == "bcp"
 
 
 def _resume_needs_mixin_message(path) -> str:
@@ -432,11 +504,15 @@ _resuming = threading.local()  # .trainer: the BCPTrainerMixin whose train() is 
 def _guard_deepspeed_resume() -> None:
     """Under DeepSpeed the Trainer resumes through ``transformers.integrations.deepspeed
     .deepspeed_load_checkpoint`` (DeepSpeed's own ``global_step*`` folders) instead of
-    ``_load_from_checkpoint``. Wrapped once, in the module the Trainer calls it from: for a bcp
-    checkpoint it does nothing inside a BCPTrainerMixin's ``train()`` (the mixin's
+    ``_load_from_checkpoint``. Wrapped once, in the module the Trainer calls it from. Inside a
+    BCPTrainerMixin's ``train()`` it does nothing for a checkpoint bcp reads (bcp's own, or
+    DeepSpeed's own without HF weight files) and for the folder ``train(resume_from_checkpoint=
+    tiers)`` hands the Trainer (only the trainer state): the mixin's
     ``_load_optimizer_and_scheduler``, which the Trainer calls next, loads the engine's model,
-    ZeRO optimizer, scheduler and counters together) and raises the one-line "use BCPTrainer"
-    error for a plain Trainer; for any other checkpoint it calls DeepSpeed's load."""
+    ZeRO optimizer, scheduler and counters together. For a plain Trainer it raises the one-line
+    "use BCPTrainer" error for bcp's own checkpoint only: DeepSpeed's own checkpoints (which bcp
+    also reads) go to DeepSpeed's load, as without bcp. Any other checkpoint goes to DeepSpeed's
+    load."""
     import transformers.trainer as trainer_module
     original = getattr(trainer_module, "deepspeed_load_checkpoint", None)
     if original is None or getattr(original, "_bcp_guard", False):
@@ -444,10 +520,14 @@ def _guard_deepspeed_resume() -> None:
 
     @functools.wraps(original)
     def deepspeed_load_checkpoint(engine, checkpoint_path, *args, **kwargs):
-        if _is_bcp_checkpoint_only(checkpoint_path):
-            if getattr(_resuming, "trainer", None) is None:
-                raise ValueError(_resume_needs_mixin_message(checkpoint_path))
-            return None
+        trainer = getattr(_resuming, "trainer", None)
+        if trainer is not None:
+            # the mixin loads its tiers' step (the Trainer was given a folder holding only the
+            # trainer state) and any checkpoint bcp reads, DeepSpeed's own included, itself
+            if trainer._resuming_tiers(checkpoint_path) or _checkpoint_kind(checkpoint_path) is not None:
+                return None
+        elif _is_bcp_checkpoint_only(checkpoint_path):
+            raise ValueError(_resume_needs_mixin_message(checkpoint_path))
         return original(engine, checkpoint_path, *args, **kwargs)
 
     deepspeed_load_checkpoint._bcp_guard = True
