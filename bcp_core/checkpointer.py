@@ -36,7 +36,7 @@ from datetime import timedelta
 
 from . import metrics
 from .adapters import resolve_framework
-from .comm import DEFAULT_TIMEOUT, Comm, comm_for
+from .comm import DEFAULT_TIMEOUT, Comm, comm_for, save_tag
 from .errors import BCPError, CommTimeoutError, SaveError, UnsupportedValueError
 from .flatten import save_leaves
 from .layout import BCP_STEPS
@@ -91,7 +91,7 @@ class Checkpointer:
             raise ValueError("a save to Tiers needs a step, and keeps steps by Tiers.keep_in_memory and "
                              f"keep_durable, not keep= (got step={step!r}, keep={keep!r})")
         earlier = self.queue.earlier_failures() + (self._tiers.drains.queue.earlier_failures() if self._tiers else [])
-        comm = comm_for(process_group, self.role)
+        comm = comm_for(process_group, save_tag(self.role))
         # From here on this save takes part in every exchange, whatever fails on this rank.
         self._ops += 1
         sid = SaveId(self._ops, step, path.label if tiered else os.fspath(path))
@@ -142,7 +142,7 @@ class Checkpointer:
         """Plan the saves of `state`'s structure now and, for async saves, touch the staging
         buffers in a background thread (see `bcp_core.prepare_save`). Collective."""
         earlier = self.queue.earlier_failures()
-        comm = comm_for(process_group, self.role)
+        comm = comm_for(process_group, save_tag(self.role))
         self._ops += 1
         request = SaveRequest(SaveId(self._ops, None, ""), timeout, f"prepare_save (role {self.role!r})")
         progress = SaveProgress()

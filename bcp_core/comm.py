@@ -468,6 +468,13 @@ _NODE_GROUPS: dict[tuple, Any] = {}  # (id of a Comm, its node's ranks) -> the n
 _COMMS: dict[tuple, Comm] = {}
 
 
+def save_tag(role: str) -> str:
+    """The Comm tag of a save role's exchanges: in a namespace of its own, so that no role name (a
+    user's "load", say) shares a Comm with the loads, the preemption handler or the drains, whose
+    operations would then remove each other's keys."""
+    return f"save/{role}"
+
+
 def comm_for(group=None, tag: str = "default") -> Comm:
     """The process's Comm for `tag` over `group`'s ranks (created at the first call).
 

@@ -63,7 +63,7 @@ class DrainLane:
                                root=durable, ckpt=dckpt, tracker_name=name, num_threads=request.num_threads,
                                keep=tier.tiers.keep_durable)
         dprogress = SaveProgress()
-        dcomm = comm_for(tier.process_group, f"{self.role}/drain")
+        dcomm = comm_for(tier.process_group, f"drain/{self.role}")
         rec = metrics.Recorder("save", dcomm.rank, dckpt.root)
         self.runtime.pinned.add(name)
         run = self.queue.start(lambda: rec.run(self._drain, dcomm, drequest, dprogress, request.ckpt,
