@@ -32,6 +32,7 @@ def test_policy_refuses_what_cannot_work():
         ({"memory": "memory://x", "keep_in_memory": 0}, "keep_in_memory=0"),
         ({"memory": "memory://x", "bandwidth": 0}, "bandwidth=0"),
         ({"memory": "memory://x", "failure_domain": ""}, "failure_domain=''"),
+        ({"memory": "memory://x", "keep_durable": 3}, "keep_durable=3. without durable"),
     ]:
         with pytest.raises(ValueError, match=words):
             bcp.Tiers(**kwargs)

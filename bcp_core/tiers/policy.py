@@ -69,6 +69,9 @@ class Tiers:
         _check_int("keep_in_memory", self.keep_in_memory, 1)
         if self.keep_durable is not None:
             _check_int("keep_durable", self.keep_durable, 1)
+            if self.durable is None:
+                raise ValueError(f"Tiers(keep_durable={self.keep_durable!r}) without durable: there is no durable "
+                                 "root to keep steps in")
         if self.persist_every is not None:
             _check_int("persist_every", self.persist_every, 1)
         if (self.durable is None) != (self.persist_every is None):
