@@ -454,6 +454,34 @@ def test_a_damaged_copy_is_never_drained_and_a_load_takes_the_newest_whole_step(
     assert flipped[0].with_name(flipped[0].name + ".damaged").exists()
 
 
+def test_a_step_saved_again_waits_for_its_drain(tmp_path, monkeypatch):
+    """A framework's second, fuller save of a step (Lightning: a weights-only save, then the full
+    one) clears the step from memory first: a drain still copying it would have lost its files. The
+    save waits for the drain; both drains commit, and durable and memory hold the second save."""
+    import threading
+
+    from bcp_core.storage.faults import Fault, inject
+    monkeypatch.setenv("BCP_MEMORY_DIR", str(tmp_path))
+    tiers = bcp.Tiers("memory://again", durable=str(tmp_path / "durable"), replicas=0, persist_every=2)
+    copying, go = threading.Event(), threading.Event()
+
+    def held(call):  # the drain maps step 2's file to copy it: held there until the next save is asked for
+        copying.set()
+        go.wait(30)
+    with inject(Fault("map", hook=held, path="*/step_00000002/data/*")):
+        bcp.save(tiers, {"w": torch.arange(6.0)}, step=2).wait()
+        assert copying.wait(30)
+        threading.Timer(0.5, go.set).start()
+        bcp.save(tiers, {"w": torch.arange(6.0) * 3, "opt": torch.ones(2)}, step=2).wait()
+    drains = bcp.checkpointer.get_checkpointer()._tiers.drains.queue
+    drains.wait_all(60)
+    assert all(q.handle.done() and q.handle._future.exception() is None for q in drains.pending)
+    for where in (tiers, str(tmp_path / "durable")):
+        target = {"w": torch.zeros(6), "opt": torch.zeros(2)}
+        bcp.load(where, target)
+        assert torch.equal(target["w"], torch.arange(6.0) * 3) and torch.equal(target["opt"], torch.ones(2)), where
+
+
 def test_a_replica_is_checked_against_the_writes_checksums(tmp_path):
     """A copy is whole and right only if its header, every block of every piece (the checksums the
     write computed) and the padding between them are the original's: a flipped bit anywhere names

@@ -102,6 +102,7 @@ class TierSave:
             return
         if progress.error is None and comm.rank in comm.node_leaders:
             try:
+                self._wait_for_drains_from(request)
                 clear_newer(request.root, request.tracker_name)
                 remove_stale_views(request.root)
                 request.ckpt.makedirs("data")
@@ -111,6 +112,17 @@ class TierSave:
                     self.runtime.rewound.add(self.tiers.durable)
             except Exception as e:  # noqa: BLE001 - sent with the plan request
                 progress.error = rank_error(comm.rank, e)
+
+    def _wait_for_drains_from(self, request: SaveRequest) -> None:
+        """A save of a step the job saved before (a framework's second, fuller save of a step) clears
+        that step and later ones from memory: a drain still copying one of them would lose its
+        files. Wait for those drains first (each wait bounded by the save's timeout). A drain of a
+        step ends on the node leader only after every rank copied its files (its commit round)."""
+        step = layout.BCP_STEPS.step_of(request.tracker_name)
+        queue = self.runtime.drains.queue
+        while any((s := layout.BCP_STEPS.step_of(p)) is not None and s >= step for p in self.runtime.pinned) and \
+                any(not q.handle.done() for q in queue.pending):
+            queue.wait_oldest(request.timeout, f"finish persisting before step {step} is saved again")
 
     def _placement(self, comm: Comm, request: SaveRequest, op: str) -> Placement:
         key = (id(comm), self.tiers.replicas)
