@@ -27,11 +27,13 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 import bcp_core as bcp
 from bcp_core import codec, metrics
 from bcp_core.dataloader import loadable_loader_state, saved_loader_state
+from bcp_core.engine.read import ShardReader
 from bcp_core.integration import companions
-from bcp_core.layout import remove_checkpoint, remove_superseded
-from bcp_core.metadata import parse_json
+from bcp_core.layout import list_checkpoints, remove_checkpoint, remove_superseded
+from bcp_core.metadata import ObjectValue, parse_json
 from bcp_core.rng import rng_state, set_rng_state
 from bcp_core.tiers import load_newest
+from bcp_core.utils import this_rank
 
 log = logging.getLogger("bcp")
 
@@ -76,7 +78,8 @@ class BCPCheckpointIO(CheckpointIO):
     def __init__(self, async_save: bool = True, allow_pickle: bool = False, save_rng: bool = True,
                  num_threads: int | None = None, preemption: bool = False, tiers: bcp.Tiers | None = None):
         self.tiers = tiers
-        self._tier_step: int | None = None  # the step last saved to the tiers
+        # the step last saved to (or loaded from) the tiers, and what that save held (`_held`)
+        self._tier_saved: tuple[int, frozenset[str]] | None = None
         self.async_save = async_save
         self.allow_pickle = allow_pickle
         self.save_rng = save_rng
@@ -145,7 +148,8 @@ class BCPCheckpointIO(CheckpointIO):
         except bcp.BCPError:
             if after is not None:  # rank 0
                 after.abandon()
-                _discard_failed(path)
+                if not after.held:  # a path that held a committed checkpoint keeps it, whatever it holds now
+                    _discard_failed(path)
             raise
 
     def save_all_ranks(self, strategy: Strategy, checkpoint: dict[str, Any], path, storage_options=None) -> None:
@@ -166,9 +170,13 @@ class BCPCheckpointIO(CheckpointIO):
             state["extra_state"] = {"rng": rng_state()}
         step = int(checkpoint.get("global_step", 0))
         if self.tiers is not None:
-            if step == self._tier_step:
-                return  # this step is saved (ModelCheckpoint saves a step to several paths)
-            self._tier_step = step
+            # ModelCheckpoint saves a step to several paths: the tiers hold one save per step. A
+            # save holding no more than the step's earlier one is that one; a save holding more
+            # (the full checkpoint after a `save_weights_only` one) replaces it.
+            held = _held(state, rest)
+            if self._tier_saved is not None and self._tier_saved[0] == step and held <= self._tier_saved[1]:
+                return
+            self._tier_saved = (step, held)
             self._pending = bcp.save(self.tiers, state, async_save=self.async_save, step=step,
                                      allow_pickle=self.allow_pickle, num_threads=self.num_threads)
             if not self.async_save:
@@ -177,10 +185,12 @@ class BCPCheckpointIO(CheckpointIO):
         # Each save goes to a step directory inside `path`, so a new save to a path that holds a
         # checkpoint (last.ckpt) leaves that one in place until the new one is committed: bcp's
         # tracker moves at the commit, and `_AfterCommit` removes the old one after it (rank 0).
-        self._pending_path = os.fspath(path)
-        self._after_commit = _AfterCommit(self._pending_path) if strategy.is_global_zero else None
+        path = os.fspath(path)
+        held, step_dir = _save_target(strategy, path, step)
+        self._pending_path = path
+        self._after_commit = _AfterCommit(path, held) if strategy.is_global_zero else None
         save = functools.partial(bcp.save, path, state, async_save=self.async_save,
-                                 step=step, allow_pickle=self.allow_pickle,
+                                 step=step_dir, allow_pickle=self.allow_pickle,
                                  num_threads=self.num_threads, on_commit=self._after_commit)
         if not self.async_save:
             self._settle(save)
@@ -218,10 +228,16 @@ class BCPCheckpointIO(CheckpointIO):
             for logger in trainer.loggers:
                 logger.log_metrics(values, step=trainer.global_step)
 
-    @staticmethod
-    def _state_for(strategy: Strategy, keys) -> dict[str, Any]:
-        """What to load, given the keys the checkpoint holds."""
-        state: dict[str, Any] = {"model": strategy.model, "lightning": None}
+    def _state_for(self, strategy: Strategy, md, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What to load from a checkpoint of metadata `md`, and Lightning's part of it, decoded.
+
+        Everything that can make the load fail short of reading the data (Lightning's value, which
+        may hold pickled values, and the train loaders' states, which may be of another DP degree)
+        is checked here, from the metadata, before anything is read into the model and optimizers:
+        a load that fails leaves them as they were."""
+        keys = md.keys()
+        checkpoint = _lightning_value(md, where, self.allow_pickle)
+        state: dict[str, Any] = {"model": strategy.model}
         if any(k.startswith("optimizer_0.") for k in keys):
             for i, opt in enumerate(strategy.optimizers):
                 state[f"optimizer_{i}"] = opt
@@ -231,21 +247,29 @@ class BCPCheckpointIO(CheckpointIO):
             state["extra_state"] = {}
         for name in {k.split(".", 1)[0] for k in keys if _LOADER_KEY.match(k.split(".", 1)[0])}:
             state[name] = {}  # the live loaders do not exist yet: Lightning restores them later
-        return state
+        _check_loader_states(strategy, checkpoint, md, self.allow_pickle)
+        return state, checkpoint
 
     def load_all_ranks(self, strategy: Strategy, path) -> dict[str, Any]:
         self.wait()
         self.log_metrics(strategy)  # also starts collecting, so this load's timings are logged later
         if isinstance(path, bcp.Tiers):  # the newest step that survives (also after damaged copies)
-            located, state, _ = load_newest(path, lambda at: self._state_for(strategy, at.metadata.keys()),
-                                            allow_pickle=self.allow_pickle, num_threads=self.num_threads)
-            self._tier_step = located.step
+            prepared: dict[str, Any] = {}
+
+            def state_for(at) -> dict[str, Any]:
+                prepared["state"], prepared["checkpoint"] = self._state_for(
+                    strategy, at.metadata, f"step {at.step} of {path.memory}")
+                return prepared["state"]
+
+            located, state, _ = load_newest(path, state_for, allow_pickle=self.allow_pickle,
+                                            num_threads=self.num_threads)
+            checkpoint = prepared["checkpoint"]
+            entries = {k.split(".", 1)[0] for k in located.metadata.keys()}
+            self._tier_saved = (located.step, _held(entries, checkpoint))  # saving no more of it again: skipped
         else:
-            state = self._state_for(strategy, bcp.inspect(path).keys())
+            state, checkpoint = self._state_for(strategy, bcp.inspect(path), os.fspath(path))
             bcp.load(path, state, allow_pickle=self.allow_pickle, num_threads=self.num_threads)
         has_optimizers = "optimizer_0" in state
-        checkpoint = codec.decode(parse_json(state["lightning"], f"the Lightning checkpoint value of {path}"),
-                                  "Lightning checkpoint", self.allow_pickle)
         _restore_loader_states(strategy, checkpoint, state)
         # The model and optimizers are already in place; Lightning's own restore of them is disabled
         # by the mixin, but user hooks (on_load_checkpoint) may look for the keys.
@@ -389,8 +413,9 @@ class _AfterCommit:
     ``on_commit`` (on bcp's save thread); removal errors are logged, never raised: the checkpoint
     is committed, and an error on rank 0 alone must not set the ranks apart."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, held: bool):
         self.path = path
+        self.held = held  # `path` held a committed checkpoint when the save started
         self.removals: list[str] = []
         self.committed = False
         self._lock = threading.Lock()  # Lightning's thread defers, the save thread commits
@@ -424,6 +449,30 @@ class _AfterCommit:
                 remove_checkpoint(path)
             except Exception as e:  # noqa: BLE001 - see the class doc
                 log.warning("bcp: could not remove %s after %s was committed: %s", path, checkpoint_dir, e)
+
+
+def _save_target(strategy: Strategy, path: str, step: int) -> tuple[bool, int]:
+    """Where a save of global step `step` to `path` goes, as rank 0 sees it (broadcast: every rank
+    saves to the same step directory): whether `path` holds a committed checkpoint now, and the
+    step directory's number. That is `step`, unless `path` holds a committed step directory of
+    `step` or later (the same step saved again: `trainer.save_checkpoint` twice, a resumed run
+    saving an earlier step): then the number after the newest of them. A save never writes into a
+    committed step directory (bcp overwrites one in place, its metadata first: a failed save would
+    leave nothing committed), and the new one orders after every committed one, so once it is
+    committed `_AfterCommit` removes them all. Lightning's global step is in the checkpoint itself."""
+    answer: tuple[bool, int] | str
+    if strategy.is_global_zero:
+        try:
+            committed = [e.step for e in list_checkpoints(path) if e.complete and e.step is not None]
+            answer = (_is_bcp_checkpoint(path), max(committed) + 1 if committed and max(committed) >= step else step)
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            answer = f"{type(e).__name__}: {e}"
+    else:
+        answer = ""
+    answer = strategy.broadcast(answer)
+    if isinstance(answer, str):
+        raise bcp.SaveError(f"save to {path}: could not read what it holds on rank 0: {answer}")
+    return answer
 
 
 def _discard_failed(path: str | None) -> None:
@@ -573,6 +622,86 @@ def _restore_loader_states(strategy: Strategy, checkpoint: dict, state: dict) ->
         return
     dp_rank, dp_size = _dp_position(strategy)
     fit["combined_loader"] = [loadable_loader_state(state[name], dp_rank, dp_size) for name in names]
+
+
+def _saved_value(md, key: str, allow_pickle: bool) -> Any:
+    """The value saved under `key`, from the metadata `md` (this rank's, where ranks saved different
+    ones), decoded; `_NOT_SAVED` if `md` holds no value there (a tensor, nothing)."""
+    if key in md.objects:
+        return codec.decode(md.objects[key].encoded, key, allow_pickle)
+    if key in md.per_rank:
+        variant = md.per_rank[key].variant_for(this_rank())
+        if isinstance(variant, ObjectValue):
+            return codec.decode(variant.encoded, key, allow_pickle)
+    return _NOT_SAVED
+
+
+_NOT_SAVED = object()
+
+
+def _lightning_value(md, where: str, allow_pickle: bool) -> dict[str, Any]:
+    """Lightning's part of the checkpoint (everything but the model and optimizers), from its metadata."""
+    text = _saved_value(md, "lightning", False)
+    if not isinstance(text, str):
+        raise bcp.KeyMismatchError(f"{where} holds no Lightning checkpoint value ('lightning'): not a checkpoint "
+                                   "BCPCheckpointIO saved")
+    checkpoint = codec.decode(parse_json(text, f"the Lightning checkpoint value of {where}"),
+                              "Lightning checkpoint", allow_pickle)
+    if not isinstance(checkpoint, dict):
+        raise bcp.MetadataError(f"the Lightning checkpoint value of {where} is a {type(checkpoint).__name__}, "
+                                "not a dict")
+    return checkpoint
+
+
+class _SavedIndices(ShardReader):
+    """A sharded object's saved indices, from the metadata; reads nothing (its shards are None)."""
+
+    def __init__(self, md, fqn: str):
+        super().__init__(None, md, fqn, False, False)
+
+    def __getitem__(self, index) -> None:
+        if index not in self:
+            return super().__getitem__(index)  # raises, naming the index
+        return None
+
+
+def _check_loader_states(strategy: Strategy, checkpoint: dict, md, allow_pickle: bool) -> None:
+    """Raise now what `_restore_loader_states` would raise after the load (an opaque loader's state
+    saved at another DP degree: LoaderStateError), from the metadata: each loader state Lightning's
+    loop state names, built from its saved values, its shards standing in by their indices."""
+    fit = _fit_loop_state(checkpoint)
+    names = fit.get("combined_loader") if fit else None
+    if not names:
+        return
+    dp_rank, dp_size = _dp_position(strategy)
+    for name in names:
+        if not isinstance(name, str):
+            continue  # not a name `_move_loader_states` wrote: `_restore_loader_states` says what it is
+        loader_state = _saved_value(md, name, allow_pickle)
+        if loader_state is _NOT_SAVED:
+            loader_state = {}
+            for key in md.keys():
+                if not key.startswith(name + "."):
+                    continue
+                value = _SavedIndices(md, key) if key in md.sharded_objects else _saved_value(md, key, allow_pickle)
+                if value is _NOT_SAVED:
+                    continue
+                *parents, last = key[len(name) + 1:].split(".")
+                node = loader_state
+                for part in parents:
+                    node = node.setdefault(part, {})
+                    if not isinstance(node, dict):
+                        break
+                else:
+                    node[last] = value
+        loadable_loader_state(loader_state, dp_rank, dp_size)
+
+
+def _held(entries, lightning: dict[str, Any]) -> frozenset[str]:
+    """What a checkpoint holds, to compare two saves of one step: bcp's entries (the model, the
+    optimizers, ...) and the keys of Lightning's part (``callbacks``, ``lr_schedulers``, ...)."""
+    return frozenset(entries) | frozenset(f"lightning.{k}" for k in lightning if k not in _TENSOR_KEYS)
+
 
 def _is_bcp_checkpoint(path) -> bool:
     try:
