@@ -11,7 +11,7 @@ import torch
 
 import bcp_core as bcp
 from bcp_core import checkpointer as ckp
-from bcp_core.comm import comm_for
+from bcp_core.comm import comm_for, save_tag
 from dist import run_ranks
 from layouts import assert_same, build, full_state, train
 
@@ -70,7 +70,7 @@ def _async_scenarios(rank, world_size, root):
     #    the saves were waited for, the next call hits, and its save needs no planning collective.
     out["plans"] = cp.stats["plans"]
     out["hits_back_to_back"] = hits = cp.stats["cache_hits"]
-    comm = comm_for(None, "async-test")
+    comm = comm_for(None, save_tag("async-test"))
     before = comm.collectives
     bcp.save(os.path.join(root, "a"), {"model": model, "optimizer": optim}, step=10, role="async-test").wait()
     out["collectives_cached_save"] = comm.collectives - before
@@ -113,7 +113,7 @@ def _async_scenarios(rank, world_size, root):
     bcp.prepare_save(state, role="prepare-test").result()
     out["prepared_plans"] = prep.stats["plans"]
     warmed = [b.data_ptr() for b in prep.snapshots.pool._slots[0]]
-    comm = comm_for(None, "prepare-test")
+    comm = comm_for(None, save_tag("prepare-test"))
     before = comm.collectives
     snapshots, handles = [copy.deepcopy(full_state(model, optim))], [
         bcp.save(os.path.join(root, "p"), state, step=0, async_save=True, role="prepare-test")]
