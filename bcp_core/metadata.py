@@ -411,6 +411,8 @@ def validate_relative_path(path: Any, source: str) -> str:
     if not isinstance(path, str) or not path:
         raise UnsafePathError(f"{source}: data file path {brief(path)} is not a non-empty string")
     parts = path.split("/")
+    if any(ord(c) < 0x20 or c == "\x7f" for c in path):  # a NUL ends a path in the OS; none names a file of bcp's
+        raise UnsafePathError(f"{source}: data file path {path!r} holds a control character")
     if (path.startswith("/") or "\\" in path or ":" in parts[0]
             or any(p in ("", ".", "..") for p in parts) or posixpath.normpath(path) != path):
         raise UnsafePathError(f"{source}: data file path {path!r} escapes the checkpoint directory "
