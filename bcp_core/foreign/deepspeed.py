@@ -26,13 +26,14 @@ from __future__ import annotations
 import math
 import re
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
 from .. import codec
-from ..errors import MetadataError
+from ..errors import BCPError, MetadataError
 from ..metadata import CHECKSUM_BLOCK_BYTES, CheckpointMetadata, ObjectValue, Piece, TensorMeta, element_size
 from ..shards import range_boxes
 from ..storage import Storage
@@ -46,24 +47,31 @@ _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis
 
 def step_directory(st: Storage) -> str | None:
     """The directory of `st` (relative; "" for itself) that holds a DeepSpeed checkpoint: `st` itself,
-    or the `global_stepN` its `latest` file names. None if neither does."""
+    or the `global_stepN` its `latest` file names. None if neither does.
+
+    `latest` is read as bcp reads its own tracker (the same file name; docs/format.md): the text
+    before the first space, line end or NUL of its first 4 KiB. A name that is not one plain
+    directory name (control characters, a slash, "." or "..") names no DeepSpeed checkpoint."""
+    from ..layout import read_tracker  # layout imports this package
+
     if _holds_checkpoint(st, ""):
         return ""
     try:
-        if not st.exists("latest") or st.size("latest") > 4096:
-            return None
-        name = st.read_bytes("latest").decode("utf-8", "replace").strip()
-    except OSError:
+        name = read_tracker(st)
+    except (OSError, ValueError, BCPError):
         return None
-    if name and "/" not in name and name not in (".", "..") and _holds_checkpoint(st, name):
-        return name
-    return None
+    if not name or name in (".", "..") or "/" in name or \
+            any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in name):
+        return None
+    return name if _holds_checkpoint(st, name) else None
 
 
 def _holds_checkpoint(st: Storage, rel: str) -> bool:
+    """Whether directory `rel` of `st` holds a DeepSpeed model-states file. Anything that cannot be
+    listed (missing, not a directory, a name the storage refuses) holds none: detection never raises."""
     try:
         names = st.listdir(rel)
-    except OSError:
+    except (OSError, ValueError, BCPError):
         return False
     return MODEL_FILE in names or any(_RANK_FILE.match(n) and n.endswith("_model_states.pt") for n in names)
 
@@ -154,8 +162,10 @@ def deepspeed_metadata(st: Storage, block: int = CHECKSUM_BLOCK_BYTES) -> Checkp
     ms = model.obj
     if not isinstance(ms, dict) or "param_shapes" not in ms:
         raise MetadataError(f"{where}/{model_file}: not a DeepSpeed ZeRO model-states file (no param_shapes)")
-    world = int(ms.get("dp_world_size", 0))
-    if world < 1 or int(ms.get("mp_world_size", 1)) != 1:
+    with _untrusted(where, [model_file]):
+        world = int(ms.get("dp_world_size", 0))
+        mp = int(ms.get("mp_world_size", 1))
+    if world < 1 or mp != 1:
         raise MetadataError(f"{where}/{model_file}: dp_world_size {ms.get('dp_world_size')!r}, mp_world_size "
                             f"{ms.get('mp_world_size')!r}: bcp reads data-parallel checkpoints")
     optim = {}
@@ -165,23 +175,48 @@ def deepspeed_metadata(st: Storage, block: int = CHECKSUM_BLOCK_BYTES) -> Checkp
             raise MetadataError(f"{where}: rank {r}'s zero_pp_rank_{r}_mp_rank_00_optim_states.pt is missing "
                                 f"(dp_world_size {world}); the checkpoint is incomplete")
         optim[r] = open_archive(st, name)
+        osd = optim[r].obj.get("optimizer_state_dict") if isinstance(optim[r].obj, dict) else None
+        if not isinstance(osd, dict):
+            raise MetadataError(f"{where}/{name}: not a DeepSpeed ZeRO optimizer-states file (no "
+                                "optimizer_state_dict)")
     b = _Builder(st, where)
-    shapes = [{k: tuple(v) for k, v in group.items()} for group in ms["param_shapes"]]
-    if stage3:
-        _stage3(b, shapes, optim, world)
-    else:
-        _stage12(b, shapes, optim)
-    _module_rest(b, st, model, ms, stage3, world, rank_files)
-    _engine(b, ms, optim[0].obj["optimizer_state_dict"])
+    with _untrusted(where, [model_file, *(a.relpath for a in optim.values())]):
+        shapes = [{k: tuple(v) for k, v in group.items()} for group in ms["param_shapes"]]
+        if stage3:
+            _stage3(b, shapes, optim, world)
+        else:
+            _stage12(b, shapes, optim)
+        _module_rest(b, st, model, ms, stage3, world, rank_files)
+        _engine(b, ms, optim[0].obj["optimizer_state_dict"])
+        stage = 3 if stage3 else _stage_of(optim[0])
     md = CheckpointMetadata(world_size=world, framework="deepspeed", files=tuple(b.files), tensors=b.tensors,
                             objects=b.objects, per_rank={}, checksum_block_bytes=block,
                             user={"converted_from": "deepspeed", "ds_version": str(ms.get("ds_version", "")),
-                                  "zero_stage": 3 if stage3 else _stage_of(optim[0])})
+                                  "zero_stage": stage})
     archives = {a.relpath: a for a in (model, *optim.values())}
     for rel in b.files:
         if rel not in archives:
             archives[rel] = open_archive(st, rel)
     return _with_checksums(md, archives, block, where)
+
+
+# what reading another system's pickled structures raises where they are not as expected (a key
+# missing, a list where a dict was, a string where a number was)
+_SHAPE_ERRORS = (KeyError, IndexError, TypeError, ValueError, AttributeError, ArithmeticError, RecursionError,
+                 StopIteration)
+
+
+@contextmanager
+def _untrusted(where: str, files: list[str]):
+    """Turn an error of reading `files`' contents (`_SHAPE_ERRORS`) into a MetadataError naming them,
+    the original as its cause."""
+    try:
+        yield
+    except MetadataError:
+        raise
+    except _SHAPE_ERRORS as e:
+        raise MetadataError(f"{where}: {', '.join(files)}: not laid out as a DeepSpeed ZeRO checkpoint bcp reads "
+                            f"({type(e).__name__}: {str(e)[:200]})") from e
 
 
 def _stage_of(archive: Archive) -> int:

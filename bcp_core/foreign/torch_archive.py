@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..errors import MetadataError
-from ..metadata import MAX_METADATA_BYTES, element_size
+from ..metadata import MAX_BYTES, MAX_DIMS, MAX_ELEMENTS, MAX_METADATA_BYTES, element_size
 from ..storage import Storage
 
 
@@ -112,25 +112,63 @@ class _Storage:
     dtype: torch.dtype
 
 
-def _rebuild_tensor(storage, storage_offset, size, stride, *rest):
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _lengths(v: Any, what: str, hi: int) -> tuple[int, ...]:
+    """A tensor's size or stride from the pickle: at most MAX_DIMS non-negative ints, each at most `hi`."""
+    if not isinstance(v, (tuple, list)) or len(v) > MAX_DIMS or not all(_count(n) and n <= hi for n in v):
+        raise MetadataError(f"a tensor of the archive has {what} {v!r:.120}, not at most {MAX_DIMS} non-negative "
+                            f"integers of at most {hi}")
+    return tuple(v)
+
+
+def _rebuild_tensor(storage, storage_offset, size, stride, *rest, dtype=None):
     if not isinstance(storage, _Storage):
-        raise MetadataError(f"a tensor of the archive refers to {storage!r}, not a storage record")
-    return TensorRef(storage.key, storage.dtype, int(storage_offset), tuple(size), tuple(stride))
+        raise MetadataError(f"a tensor of the archive refers to {storage!r:.120}, not a storage record")
+    if not _count(storage_offset) or storage_offset > MAX_BYTES:
+        raise MetadataError(f"a tensor of the archive starts at element {storage_offset!r:.80} of its storage, not "
+                            "at a non-negative integer")
+    shape = _lengths(size, "size", MAX_ELEMENTS)
+    strides = _lengths(stride, "stride", MAX_ELEMENTS)
+    if len(strides) != len(shape) or math.prod(n for n in shape if n) > MAX_ELEMENTS:
+        raise MetadataError(f"a tensor of the archive has size {shape} and stride {strides}")
+    dtype = storage.dtype if dtype is None else dtype
+    if not isinstance(dtype, torch.dtype):
+        raise MetadataError(f"a tensor of the archive has dtype {dtype!r:.80}, not a torch.dtype")
+    return TensorRef(storage.key, dtype, storage_offset, shape, strides)
 
 
 def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, hooks, dtype, *rest):
-    ref = _rebuild_tensor(storage, storage_offset, size, stride)
-    return TensorRef(ref.record, dtype, ref.offset, ref.shape, ref.stride)
+    return _rebuild_tensor(storage, storage_offset, size, stride, dtype=dtype)
 
 
 def _rebuild_parameter(data, *rest):
     return data
 
 
+_TENSOR_REBUILDERS = (_rebuild_tensor, _rebuild_tensor_v3, _rebuild_parameter)
+
+
 def _rebuild_from_type(func, new_type, args, state):
     """A tensor subclass or a tensor with Python attributes: the tensor itself (`func` is what
-    `find_class` gave for the inner rebuild, never a callable of the file's choosing)."""
+    `find_class` gave for the inner rebuild, and only a tensor rebuilder is called)."""
+    if not any(func is f for f in _TENSOR_REBUILDERS) or not isinstance(args, tuple):
+        raise MetadataError(f"a tensor of the archive is rebuilt by {func!r:.80}, not by a tensor rebuilder")
     return func(*args)
+
+
+def _bytearray(*args):
+    """`bytearray` as pickles give it: from bytes (protocol 3+) or from text and its encoding
+    (protocols 0-2), so never larger than the pickle itself; never `bytearray(n)`."""
+    if not args:
+        return bytearray()
+    if len(args) == 1 and isinstance(args[0], (bytes, bytearray)):
+        return bytearray(args[0])
+    if len(args) in (2, 3) and all(isinstance(a, str) for a in args):
+        return bytearray(*args)
+    raise MetadataError(f"a bytearray of the archive is made from {args!r:.80}, not from bytes or text")
 
 
 _CALLABLES = {
@@ -146,7 +184,7 @@ _CALLABLES = {
     ("builtins", "frozenset"): frozenset,
     ("builtins", "slice"): slice,
     ("builtins", "complex"): complex,
-    ("builtins", "bytearray"): bytearray,
+    ("builtins", "bytearray"): _bytearray,
     ("_codecs", "encode"): lambda text, encoding="utf-8": text.encode(encoding),
 }
 
@@ -243,33 +281,69 @@ def open_archive(st: Storage, relpath: str) -> Archive:
     except Exception as e:  # noqa: BLE001 - a damaged or hostile pickle: say where
         raise MetadataError(f"{where}: cannot read its pickle ({type(e).__name__}: {e})") from None
     archive = Archive(relpath, obj, zf, prefix)
-    archive.obj = _placed(archive, obj, {})
+    try:
+        archive.obj = _Placer(archive, where).placed(obj, 0)
+    except MetadataError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a hostile object tree: say where, keep the cause
+        raise MetadataError(f"{where}: cannot place its tensors ({type(e).__name__}: {e})") from e
     return archive
 
 
-def _placed(archive: Archive, obj: Any, offsets: dict[str, int]) -> Any:
-    """`obj` with every TensorRef given its byte offset in the file (checked against its record)."""
-    if isinstance(obj, TensorRef):
-        name = archive.record_name(obj.record)
-        if name not in offsets:
-            offsets[name] = record_offset(archive, name)
-        info = archive.zip.getinfo(name)
-        start = obj.offset * element_size(obj.dtype)
-        if not obj.contiguous() or start + obj.nbytes > info.file_size:
-            raise MetadataError(f"{archive.relpath}: tensor of shape {obj.shape} at element {obj.offset} of record "
-                                f"{name} is not a contiguous range of its {info.file_size} bytes")
-        return TensorRef(obj.record, obj.dtype, obj.offset, obj.shape, obj.stride, offsets[name] + start)
-    if isinstance(obj, dict):
-        return type(obj)((k, _placed(archive, v, offsets)) for k, v in obj.items()) \
-            if type(obj) in (dict, OrderedDict) else obj
-    if isinstance(obj, list):
-        return [_placed(archive, v, offsets) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_placed(archive, v, offsets) for v in obj)
-    if isinstance(obj, Opaque):
-        obj.state = _placed(archive, obj.state, offsets)
-        return obj
-    return obj
+# containers nested deeper than this in an archive's object tree (or a cycle) make it unreadable
+MAX_NESTING = 256
+
+
+class _Placer:
+    """Every TensorRef of an archive's object tree given its byte offset in the file (checked
+    against its record). Each object is visited once (a tree that shares objects costs its size,
+    not the size of its expansion), to at most MAX_NESTING levels (a cycle ends there)."""
+
+    def __init__(self, archive: Archive, where: str):
+        self.archive, self.where = archive, where
+        self.offsets: dict[str, int] = {}
+        self.done: dict[int, Any] = {}
+        self.keep: list[Any] = []  # the originals of `done`, so their ids stay theirs
+
+    def placed(self, obj: Any, depth: int) -> Any:
+        if isinstance(obj, TensorRef):
+            return self.tensor(obj)
+        if not isinstance(obj, (dict, list, tuple, Opaque)):
+            return obj
+        if id(obj) in self.done:
+            return self.done[id(obj)]
+        if depth >= MAX_NESTING:
+            raise MetadataError(f"{self.where}: its objects are nested more than {MAX_NESTING} deep "
+                                "(or hold themselves)")
+        if isinstance(obj, dict):
+            if type(obj) in (dict, OrderedDict):
+                out = type(obj)()
+                for k, v in obj.items():
+                    out[k] = self.placed(v, depth + 1)
+            else:
+                out = obj
+        elif isinstance(obj, (list, tuple)):
+            out = [self.placed(v, depth + 1) for v in obj]
+            if isinstance(obj, tuple):
+                out = tuple(out)
+        else:
+            obj.state = self.placed(obj.state, depth + 1)
+            out = obj
+        self.done[id(obj)] = out
+        self.keep.append(obj)
+        return out
+
+    def tensor(self, ref: TensorRef) -> TensorRef:
+        archive = self.archive
+        name = archive.record_name(ref.record)
+        if name not in self.offsets:
+            self.offsets[name] = record_offset(archive, name)
+        size = archive.zip.getinfo(name).file_size
+        start = ref.offset * element_size(ref.dtype)
+        if not ref.contiguous() or start < 0 or ref.nbytes < 0 or start + ref.nbytes > size:
+            raise MetadataError(f"{self.where}: tensor of shape {ref.shape} at element {ref.offset} of record "
+                                f"{name} is not a contiguous range of its {size} bytes")
+        return TensorRef(ref.record, ref.dtype, ref.offset, ref.shape, ref.stride, self.offsets[name] + start)
 
 
 def record_offset(archive: Archive, name: str) -> int:
