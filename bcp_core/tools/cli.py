@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write another framework's checkpoint as the Hugging Face model --config describes "
                         "(megatron-to-hf: a Megatron-core GPTModel or HybridModel as the Hugging Face model of "
                         "a declared family; docs/mapping.md)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="--to hf: replace an OUT directory that is not empty, once the new export is complete "
+                        "(without it such an OUT is refused; a local directory only)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="decode pickled values (only for --to torch without --model-only; runs code from "
                         "the checkpoint: only for checkpoints you trust)")
@@ -184,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "export":
         rep = convert.export_checkpoint(args.path, args.out, args.to, args.model_only or None, args.dtype,
                                         args.rename, args.shard_size, args.config, args.allow_pickle, args.threads,
-                                        progress, args.mapping)
+                                        progress, args.mapping, args.overwrite)
         _print_json(rep) if args.json else print(
             f"exported {rep['tensors']} tensors ({human_bytes(rep['bytes'])}) to {rep['out']}: "
             + ", ".join(rep["files"][:6]) + (" ..." if len(rep["files"]) > 6 else ""))

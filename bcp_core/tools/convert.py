@@ -6,7 +6,10 @@ with the model; import memory-maps its source, so nothing is read before it is s
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import logging
 import math
 import os
 import re
@@ -22,10 +25,13 @@ from ..metadata import (CheckpointMetadata, ObjectValue, TensorMeta, check_file_
                         parse_json, read_capped)
 from ..storage import Storage, storage_for
 from ..storage.base import temp_name
-from ..storage.local import local_path
+from ..storage.local import LocalStorage, local_path
+from ..storage.memory import MemoryStorage
 from ..shards import Box
 from .read import CHUNK_BYTES, open_checkpoint, progress_bar, read_blocks, read_whole, row_blocks, sections
 from .rename import parse_rules, rename_map
+
+log = logging.getLogger(__name__)
 
 _SAFETENSORS_CODE_TO_DTYPE = {code: dt for dt, code in SAFETENSORS_DTYPES.items()}
 DTYPE_ALIASES = {
@@ -107,14 +113,35 @@ def _safetensors_header(entries: list[ExportEntry]) -> bytes:
     return len(raw).to_bytes(8, "little") + raw
 
 
-def _copy_config(config: str, out: Storage) -> list[str]:
-    """Copy a config.json (or every non-weight file of a directory: config, tokenizer...) next to the weights."""
+def _config_sources(config: str) -> list[tuple[str, str]]:
+    """(source file, name in OUT) of each file `--config` copies next to the weights: a config.json, or
+    every non-weight file of a directory (config, tokenizer...). Each is checked readable, and the
+    config.json a JSON object, before the export writes anything."""
     if os.path.isdir(config):
         names = [n for n in sorted(os.listdir(config)) if os.path.isfile(os.path.join(config, n))
                  and not n.endswith((".safetensors", ".bin", ".pt", ".pth", ".index.json"))]
         sources = [(os.path.join(config, n), n) for n in names]
-    else:
+    elif os.path.isfile(config):
         sources = [(config, "config.json")]
+    else:
+        raise ToolError(f"--config {config}: no such file or directory")
+    for src, name in sources:
+        try:
+            with open(src, "rb"):
+                pass
+            if name == "config.json" and not isinstance(_read_json(src), dict):
+                raise ToolError(f"--config: {src} is not a JSON object (a Hugging Face config.json)")
+        except OSError as e:
+            raise ToolError(f"--config: cannot read {src}: {e.strerror or e}") from None
+        except ToolError:
+            raise
+        except BCPError as e:
+            raise ToolError(f"--config: {src} is not a valid config.json: {e}") from None
+    return sources
+
+
+def _copy_config(sources: list[tuple[str, str]], out: Storage) -> list[str]:
+    """Copy the files `_config_sources` named into `out`."""
     for src, name in sources:
         with open(src, "rb") as f:
             out.write_atomic(name, f.read())
@@ -127,7 +154,7 @@ MAPPINGS = ("megatron-to-hf",)  # --mapping: declared mappings an export can app
 def export_checkpoint(path: str, out: str, to: str = "hf", model_only: bool | None = None,
                       dtype: str | None = None, rename: list[str] | None = None, shard_size: str = "5GB",
                       config: str | None = None, allow_pickle: bool = False, num_threads: int = 4,
-                      progress: bool = False, mapping: str | None = None) -> dict:
+                      progress: bool = False, mapping: str | None = None, overwrite: bool = False) -> dict:
     """Merge a checkpoint into a Hugging Face directory or a torch.save file, in bounded memory.
 
     Tensors are read in row blocks of ~64 MiB (from whichever saved pieces cover them) and
@@ -139,6 +166,11 @@ def export_checkpoint(path: str, out: str, to: str = "hf", model_only: bool | No
     `linear_qkv` for a block of `q_proj`...), padding dropped, tied weights written once; the experts
     of an MoE model one tensor per expert and projection, and multi-token prediction layers as layers
     L + k, as Hugging Face files hold them (bcp_core.mapping.decoder.megatron_to_hf_files).
+
+    A Hugging Face directory appears whole or not at all: it is written into a temporary directory
+    beside `out` and renamed into place once complete. An `out` that exists and is not empty is
+    refused unless `overwrite`, which replaces it only once the new export is complete (a local
+    directory only); every input (`config` included) is checked before anything is written.
     """
     st, md = open_checkpoint(path)
     rules = parse_rules(rename)
@@ -148,13 +180,14 @@ def export_checkpoint(path: str, out: str, to: str = "hf", model_only: bool | No
             raise ToolError("--mapping writes a Hugging Face directory: use it with --to hf, without --rename "
                             "or --model-only")
         mapped, entries = _mapped_entries(st, md, mapping, config, cast)
-        return _export_hf(st, md, out, entries, parse_size(shard_size), config, num_threads, progress, mapped)
+        return _export_hf(st, md, out, entries, parse_size(shard_size), config, num_threads, progress, overwrite,
+                          mapped)
     if to == "hf":
         # A Hugging Face directory holds model weights only.
         if model_only is None:
             model_only = any(k.startswith("model.") for k in md.tensors)
         return _export_hf(st, md, out, _select(md, model_only, rules, cast), parse_size(shard_size), config,
-                          num_threads, progress)
+                          num_threads, progress, overwrite)
     if to == "torch":
         return _export_torch(st, md, out, _select(md, bool(model_only), rules, cast), bool(model_only), rules,
                              allow_pickle, num_threads, progress)
@@ -205,7 +238,77 @@ def _mapped_blocks(st: Storage, md: CheckpointMetadata, mapped, e: ExportEntry, 
         yield buf
 
 
-def _export_hf(st, md, out_path, entries, shard_bytes, config, num_threads, progress, mapped=None) -> dict:
+def _local_dir(st: Storage) -> str | None:
+    """The OS path of a local (or memory://) storage root; None for an object store."""
+    if isinstance(st, MemoryStorage):
+        return st.local_root
+    if isinstance(st, LocalStorage):
+        return os.path.abspath(st.root)
+    return None
+
+
+def _sibling(out: Storage, name: str) -> Storage:
+    """A storage of the same kind as `out`, at `name` in the directory that holds `out`."""
+    if isinstance(out, MemoryStorage):
+        return MemoryStorage("memory://" + "/".join([*out.parts[:-1], name]))
+    return LocalStorage(os.path.join(os.path.dirname(os.path.abspath(out.root)), name), fsync=out.fsync)
+
+
+def _check_out_dir(st: Storage, out: Storage, target: str | None, overwrite: bool) -> None:
+    """Refuse, before anything is written, an OUT an export must not write into or replace."""
+    if target is None:  # an object store: no directory to rename, so the export writes into OUT itself
+        if out.listdir():
+            raise ToolError(f"{out.root} is not empty; an export writes a new directory"
+                            + ("" if not overwrite else " (--overwrite replaces only a local directory: remove "
+                               "this one first)"))
+        return
+    if os.path.islink(target):
+        raise ToolError(f"{out.root} is a symbolic link; give the directory itself as OUT")
+    if os.path.lexists(target) and not os.path.isdir(target):
+        raise ToolError(f"{out.root} exists and is not a directory")
+    if not overwrite:
+        if os.path.isdir(target) and os.listdir(target):
+            raise ToolError(f"{out.root} is not empty; an export writes a new directory (pass --overwrite to "
+                            "replace it once the new one is complete)")
+        return
+    src = _local_dir(st)
+    if src is not None:
+        src, t = os.path.realpath(src), os.path.realpath(target)
+        if src == t or src.startswith(t.rstrip(os.sep) + os.sep):
+            raise ToolError(f"--overwrite: {out.root} holds the checkpoint being exported ({st.root}); "
+                            "export elsewhere")
+
+
+def _move_into_place(stage: Storage, stage_dir: str, out: Storage, target: str, overwrite: bool) -> None:
+    """Rename the complete export `stage_dir` to `target`. Without `overwrite` the rename itself refuses a
+    directory that is not empty (whatever appeared there meanwhile); with it, an existing `target` is
+    renamed aside first (and back if the rename fails), then removed: there is always either the old
+    directory or the new one, never a mix."""
+    stage.sync_dir()
+    parent, base = os.path.split(target)
+    aside = None
+    if overwrite and os.path.lexists(target):
+        aside = os.path.join(parent, temp_name(base))
+        os.rename(target, aside)
+    try:
+        os.rename(stage_dir, target)
+    except OSError as e:
+        if aside is not None:
+            os.rename(aside, target)
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise ToolError(f"{out.root} appeared (not empty) during the export; nothing was replaced") from None
+        raise
+    out.sync_entry()
+    if aside is not None:
+        try:
+            _sibling(out, os.path.basename(aside)).remove("")
+        except (OSError, BCPError) as e:
+            log.warning("exported to %s, but the directory it replaced, now %s, could not be removed: %s",
+                        out.root, aside, e)
+
+
+def _export_hf(st, md, out_path, entries, shard_bytes, config, num_threads, progress, overwrite=False,
+               mapped=None) -> dict:
     shards: list[list[ExportEntry]] = [[]]
     size = 0
     for e in entries:
@@ -216,43 +319,66 @@ def _export_hf(st, md, out_path, entries, shard_bytes, config, num_threads, prog
         size += e.nbytes
     n = len(shards)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    # Every input is checked before anything is written.
+    headers = [_safetensors_header(shard) for shard in shards]  # dtypes safetensors cannot store
+    sources = _config_sources(config) if config else []
     out = storage_for(out_path)
-    out.makedirs()
-    total = sum(e.nbytes for e in entries)
-    bar = progress_bar(total, "export", enabled=progress)
-    for name, shard in zip(names, shards):
-        writer = out.open_writer(name)
-        try:
-            writer.write(memoryview(_safetensors_header(shard)))
-            for e in shard:
-                blocks = _mapped_blocks(st, md, mapped, e, num_threads) if mapped is not None else \
-                    read_blocks(st, md, e.fqn, e.tm, num_threads)
-                for block in blocks:
-                    t, data = _cast_bytes(block, e.dtype)
-                    writer.write(data)
-                    bar.update(len(data))
-                    del t, block
-            writer.close()
-        except BaseException:
-            writer.abort()
-            raise
-    bar.close()
-    written = list(names)
-    if n > 1:
-        index = {"metadata": {"total_size": total, "format": "bcp-export"},
-                 "weight_map": {e.name: name for name, shard in zip(names, shards) for e in shard}}
-        out.write_atomic("model.safetensors.index.json", json.dumps(index, indent=2).encode())
-        written.append("model.safetensors.index.json")
-    if config:
-        written += _copy_config(config, out)
-    return {"out": out.root, "files": written, "tensors": len(entries), "bytes": total}
+    target = _local_dir(out)
+    _check_out_dir(st, out, target, overwrite)
+    if target is None:
+        stage, stage_dir = out, None
+    else:  # written beside OUT, renamed into place once complete
+        stage = _sibling(out, temp_name(os.path.basename(target)))
+        stage_dir = _local_dir(stage)
+    written: list[str] = []
+    try:
+        stage.makedirs()
+        # The config first and the index last: on an object store, whatever marks the directory
+        # as a model (model.safetensors, the index) is written after everything it needs.
+        written += _copy_config(sources, stage)
+        total = sum(e.nbytes for e in entries)
+        bar = progress_bar(total, "export", enabled=progress)
+        for name, shard, header in zip(names, shards, headers):
+            writer = stage.open_writer(name)
+            try:
+                writer.write(memoryview(header))
+                for e in shard:
+                    blocks = _mapped_blocks(st, md, mapped, e, num_threads) if mapped is not None else \
+                        read_blocks(st, md, e.fqn, e.tm, num_threads)
+                    for block in blocks:
+                        t, data = _cast_bytes(block, e.dtype)
+                        writer.write(data)
+                        bar.update(len(data))
+                        del t, block
+                writer.close()
+            except BaseException:
+                writer.abort()
+                raise
+            written.append(name)
+        bar.close()
+        if n > 1:
+            index = {"metadata": {"total_size": total, "format": "bcp-export"},
+                     "weight_map": {e.name: name for name, shard in zip(names, shards) for e in shard}}
+            stage.write_atomic("model.safetensors.index.json", json.dumps(index, indent=2).encode())
+            written.append("model.safetensors.index.json")
+        if stage_dir is not None:
+            _move_into_place(stage, stage_dir, out, target, overwrite)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            if stage_dir is not None:
+                stage.remove("")
+            else:
+                for name in written:
+                    stage.remove(name)
+        raise
+    files = [x for x in names + ["model.safetensors.index.json"] if x in written] + [n for _, n in sources]
+    return {"out": out.root, "files": files, "tensors": len(entries), "bytes": total}
 
 
 def _export_torch(st, md, out_path, entries, model_only, rules, allow_pickle, num_threads, progress) -> dict:
     """A torch.save file written without holding the model: torch.save writes the file with placeholder
-    storages (torch.serialization.skip_data), then the tensor bytes are streamed into their records."""
-    import zipfile
-
+    storages (torch.serialization.skip_data), then the tensor bytes are streamed into their records.
+    Its temporary file is removed if anything fails."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if "://" in str(out_path) and not str(out_path).startswith("file://"):
@@ -293,6 +419,20 @@ def _export_torch(st, md, out_path, entries, model_only, rules, allow_pickle, nu
 
     walk(state)
     tmp = os.path.join(os.path.dirname(os.path.abspath(out_path)), temp_name(os.path.basename(out_path)))
+    try:
+        total = _write_torch(st, md, tmp, out_path, state, entries, order, num_threads, progress)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    return {"out": out_path, "files": [out_path], "tensors": len(entries), "bytes": total}
+
+
+def _write_torch(st, md, tmp, out_path, state, entries, order, num_threads, progress) -> int:
+    """torch.save `state` to `tmp` with placeholder storages, stream the tensor bytes into their records
+    and rename it to `out_path` (the caller removes `tmp` if this fails)."""
+    import zipfile
+
     with torch.serialization.skip_data(materialize_fake_tensors=True):
         torch.save(state, tmp)
     reader = torch._C.PyTorchFileReader(tmp)
@@ -302,7 +442,6 @@ def _export_torch(st, md, out_path, entries, model_only, rules, allow_pickle, nu
     expected = [t.untyped_storage().nbytes() if i >= len(entries) else entries[i].nbytes
                 for i, t in enumerate(order)]
     if [sizes.get(r) for r in records] != expected or f"data/{len(order)}" in sizes:
-        os.remove(tmp)
         raise ToolError("torch.save laid out the storages in an unexpected order; cannot stream the export "
                         "(values holding tensors in unusual containers?)")
     total = sum(e.nbytes for e in entries)
@@ -326,7 +465,7 @@ def _export_torch(st, md, out_path, entries, model_only, rules, allow_pickle, nu
         os.close(fd)
     os.replace(tmp, out_path)
     bar.close()
-    return {"out": out_path, "files": [out_path], "tensors": len(entries), "bytes": total}
+    return total
 
 
 def _flatten(prefix: str, v: Any, out: dict) -> None:
@@ -344,28 +483,63 @@ def _read_json(path: str) -> Any:
 
 
 def _mmap_safetensors(path: str) -> dict[str, torch.Tensor]:
-    """Tensors of a safetensors file as views of a private memory map: nothing is read until saved."""
+    """Tensors of a safetensors file as views of a private memory map: nothing is read until saved.
+
+    The header is checked before any view is made: each entry a dict with a known dtype, a shape
+    of non-negative integers and data_offsets [lo, hi] inside the data section, holding exactly the
+    tensor's bytes; then the safetensors package checks the file as a whole (no overlaps, no gaps)."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
-        if n > min(size - 8, 100 << 20):
-            raise ToolError(f"{path}: not a safetensors file (header length {n})")
+        if size < 8 or n > min(size - 8, 100 << 20):
+            raise ToolError(f"{path}: not a safetensors file (header length {n}, file size {size})")
         header = parse_json(f.read(n), f"{path}: safetensors header")
-    storage = torch.UntypedStorage.from_file(path, shared=False, nbytes=size)
-    flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+    if not isinstance(header, dict):
+        raise ToolError(f"{path}: not a safetensors file (its header is a JSON {type(header).__name__}, "
+                        "not an object)")
     base = 8 + n
-    out = {}
+    entries = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dt = _SAFETENSORS_CODE_TO_DTYPE.get(info["dtype"])
+        what = f"{path}: tensor {name!r}"
+        if not isinstance(info, dict):
+            raise ToolError(f"{what}: its header entry is a {type(info).__name__}, not an object")
+        code, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        dt = _SAFETENSORS_CODE_TO_DTYPE.get(code) if isinstance(code, str) else None
         if dt is None:
-            raise ToolError(f"{path}: tensor {name!r} has dtype {info['dtype']} that bcp cannot import")
-        lo, hi = info["data_offsets"]
-        shape = tuple(info["shape"])
-        if hi - lo != math.prod(shape) * element_size(dt) or base + hi > size:
-            raise ToolError(f"{path}: tensor {name!r} has inconsistent offsets {lo}..{hi}")
-        out[name] = flat[base + lo: base + hi].view(dt).view(shape)
+            raise ToolError(f"{what} has dtype {code!r} that bcp cannot import")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise ToolError(f"{what} has shape {shape!r}; expected a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise ToolError(f"{what} has data_offsets {offsets!r}; expected [begin, end] integers")
+        lo, hi = offsets
+        nbytes = math.prod(shape) * element_size(dt)
+        if not 0 <= lo <= hi <= size - base:
+            raise ToolError(f"{what} has data_offsets {lo}..{hi} outside the file's data section "
+                            f"(0..{size - base} bytes)")
+        if hi - lo != nbytes:
+            raise ToolError(f"{what} has data_offsets {lo}..{hi} ({hi - lo} bytes) but shape {shape} of "
+                            f"{code} needs {nbytes} bytes")
+        entries.append((name, dt, tuple(shape), lo, hi))
+    try:
+        from safetensors import SafetensorError, safe_open
+    except ImportError:  # a dependency of bcp; the checks above stand without it
+        pass
+    else:
+        try:
+            with safe_open(path, framework="pt"):
+                pass
+        except SafetensorError as e:
+            raise ToolError(f"{path}: not a valid safetensors file: {e}") from None
+    storage = torch.UntypedStorage.from_file(path, shared=False, nbytes=size)
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+    out = {}
+    for name, dt, shape, lo, hi in entries:
+        raw = flat[base + lo: base + hi]
+        if (base + lo) % element_size(dt):  # a header not padded to alignment: this tensor is copied
+            raw = raw.clone()
+        out[name] = raw.view(dt).view(shape)
     return out
 
 
