@@ -82,12 +82,12 @@ def trained(model, steps=2):
     return opt
 
 
-def megatron_checkpoint(path, model, opt=None, padded=PADDED, step_in_common=True):
+def megatron_checkpoint(path, model, opt=None, padded=PADDED, step_in_common=True, extra=None):
     """A bcp checkpoint keyed as Megatron saves a GPTModel and its fully_reshardable DistOpt state;
     Megatron's common state (the step) in common.pt (`step_in_common=True`, megatron-core up to 0.18)
-    or in the object `common_state` (`"object"`, 0.19+), or nowhere (False)."""
+    or in the object `common_state` (`"object"`, 0.19+), or nowhere (False). `extra`: more tensors."""
     sd = {k: v.detach() for k, v in model.state_dict().items()}
-    state = megatron_layout(sd, model.config, padded)
+    state = megatron_layout(sd, model.config, padded) | (extra or {})
     if opt is not None:
         names = {id(p): n for n, p in model.named_parameters()}
         for name in ("exp_avg", "exp_avg_sq"):
@@ -422,3 +422,89 @@ def test_qwen3_loads_through_its_registry_entry(tmp_path):
     for k, v in want.items():
         n = CFG["vocab_size"] if k.endswith(("word_embeddings.weight", "output_layer.weight")) else None
         assert torch.equal(back[k][:n], v[:n]), k
+
+
+# ----------------------------------------------------------------------------- a config that disagrees
+
+def _megatron_framework() -> str:
+    pytest.importorskip("megatron.core")
+    import bcp_integrations.megatron  # noqa: F401 - registers framework "megatron" (what export and auto go by)
+    return "megatron"
+
+
+def test_untied_output_layer_with_a_tied_config_is_refused_before_anything_is_written(tmp_path):
+    """A Megatron checkpoint with its own output layer (--untie-embeddings-and-output-weights) and a
+    config saying tie_word_embeddings=true: the mapping would make lm_head the embedding and never read
+    output_layer.weight. Load (explicit and auto) and export refuse it, naming the tensor; nothing of
+    the target changes, no export directory appears."""
+    from bcp_core.tools.cli import main
+    import json
+    src = llama()  # untied
+    state = megatron_layout({k: v.detach() for k, v in src.state_dict().items()}, src.config)
+    assert "output_layer.weight" in state
+    bcp.save(str(tmp_path / "mg"), state, framework=_megatron_framework()).wait()
+    dst = llama(seed=1, tie_word_embeddings=True)
+    before = {k: v.clone() for k, v in dst.state_dict().items()}
+    for mapping in (bcp.mapping.megatron_to_hf(dst.config), "auto"):
+        with pytest.raises(bcp.MappingError, match=r"holds 1 model tensor .*: output_layer\.weight \(the config's "
+                                                   r"tie_word_embeddings=true"):
+            bcp.load(str(tmp_path / "mg"), {"model": dst}, mapping=mapping)
+        assert all(torch.equal(before[k], v) for k, v in dst.state_dict().items())
+    (tmp_path / "config.json").write_text(json.dumps({**CFG, "model_type": "llama", "tie_word_embeddings": True}))
+    out = tmp_path / "hf"
+    assert main(["-q", "export", str(tmp_path / "mg"), str(out), "--to", "hf", "--mapping", "megatron-to-hf",
+                 "--config", str(tmp_path / "config.json")]) != 0
+    assert not out.exists()
+    # the config that agrees exports and loads
+    (tmp_path / "config.json").write_text(json.dumps({**CFG, "model_type": "llama"}))
+    assert main(["-q", "export", str(tmp_path / "mg"), str(out), "--to", "hf", "--mapping", "megatron-to-hf",
+                 "--config", str(tmp_path / "config.json")]) == 0
+    assert torch.equal(logits(src), logits(transformers.LlamaForCausalLM.from_pretrained(str(out)).eval()))
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"decoder.layers.self_attention.linear_qkv.bias": (2, 64)}, r"linear_qkv\.bias \(.*attention_bias=false"),
+    ({"decoder.layers.self_attention.linear_proj.bias": (2, 32)}, r"linear_proj\.bias \(.*attention_bias=false"),
+    ({"decoder.layers.mlp.linear_fc1.bias": (2, 96), "decoder.layers.mlp.linear_fc2.bias": (2, 32)},
+     r"holds 2 model tensors .*linear_fc1\.bias, decoder\.layers\.mlp\.linear_fc2\.bias \(.*mlp_bias=false"),
+    ({"decoder.layers.self_attention.q_layernorm.weight": (2, 8),
+      "decoder.layers.self_attention.k_layernorm.weight": (2, 8)}, r"k_layernorm\.weight, .*q_layernorm\.weight \(a "
+                                                                   r"Llama config declares no per-head q/k norms"),
+    ({"decoder.layers.self_attention.linear_qkv._extra_state": (4,), "rotary_pos_emb.inv_freq": (4,),
+      "mtp.layers.0.enorm.weight": (32,)}, None),  # left by design: these load
+])
+def test_model_tensors_the_config_does_not_read_are_refused(tmp_path, extra, match):
+    """A tensor of the checkpoint's model that no copy of the mapping reads (a bias, a norm the config
+    does not declare) is a MappingError naming it, before anything is read: loading without it would
+    make another model. Optimizer state, extra state, rotary frequencies and multi-token prediction
+    layers (a transformers model holds none) are no such tensors."""
+    src = llama()
+    opt = trained(src)
+    megatron_checkpoint(tmp_path / "mg", src, opt, extra={k: torch.ones(s) for k, s in extra.items()})
+    dst = llama(seed=1)
+    dst_opt = torch.optim.AdamW(dst.parameters(), lr=1e-2)
+    before = {k: v.clone() for k, v in dst.state_dict().items()}
+    target = {"model": dst, "optimizer": dst_opt}
+    if match is None:
+        bcp.load(str(tmp_path / "mg"), target, mapping=bcp.mapping.megatron_to_hf(dst.config))
+        assert_same_training_state(src, opt, dst, dst_opt)
+        return
+    with pytest.raises(bcp.MappingError, match="the config disagrees with the checkpoint.*" + match):
+        bcp.load(str(tmp_path / "mg"), target, mapping=bcp.mapping.megatron_to_hf(dst.config))
+    assert all(torch.equal(before[k], v) for k, v in dst.state_dict().items()) and not dst_opt.state
+
+
+def test_hf_checkpoint_tensors_the_config_does_not_read_are_refused(tmp_path):
+    """The other way: a Qwen2 checkpoint (q/k/v biases) into Megatron with a Llama config is refused,
+    naming the biases; a tied Llama's saved lm_head (one tensor with the embedding) is no such tensor."""
+    qwen2 = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**CFG))
+    bcp.save(str(tmp_path / "q"), {"model": qwen2}).wait()
+    with pytest.raises(bcp.MappingError, match=r"holds 6 model tensors .*model\.model\.layers\.0\.self_attn\.k_proj"
+                                               r"\.bias"):
+        bcp.load(str(tmp_path / "q"), {}, strict=False, mapping=bcp.mapping.hf_to_megatron(CFG))
+    tied = llama(tie_word_embeddings=True)
+    bcp.save(str(tmp_path / "t"), {"model": tied}).wait()
+    assert "model.lm_head.weight" in bcp.inspect(str(tmp_path / "t")).tensors
+    target = {"embedding.word_embeddings.weight": torch.zeros(100, 32)}
+    bcp.load(str(tmp_path / "t"), target, strict=False, mapping=bcp.mapping.hf_to_megatron(tied.config))
+    assert torch.equal(target["embedding.word_embeddings.weight"], tied.model.embed_tokens.weight.detach())

@@ -26,7 +26,14 @@ class Mapping:
     router's expert bias): their weights are read, no optimizer state is looked for or made. `step`:
     the step counter to give the target optimizer when the source's cannot be read. `alternatives`:
     parameters some layouts of a framework name otherwise (name -> the other name): a source is read
-    under the other name when the checkpoint has only that one, and a target is offered under both."""
+    under the other name when the checkpoint has only that one, and a target is offered under both.
+    `complete`: the mapping reads a whole model: every model tensor of the source checkpoint (by its
+    `source_keys.model`) is a source, or binding it fails naming those it would leave unread (a config
+    that disagrees with the checkpoint: an untied output layer, a bias, a norm, a layer it does not
+    declare). `leaves`: (regular expression, why) for source parameter names the mapping does not read,
+    matched from the start: `why` None when it leaves them by design (a Megatron model's multi-token
+    prediction layers when the target holds none), else what of the config disagrees, for the error.
+    `target_leaves`: the same for the target's names (the inverse's `leaves`)."""
 
     name: str
     sources: dict[str, Shape]
@@ -39,6 +46,9 @@ class Mapping:
     step: int | None = None
     alternatives: dict[str, str] = field(default_factory=dict)
     no_state: frozenset[str] = frozenset()
+    complete: bool = False
+    leaves: tuple[tuple[str, str | None], ...] = ()
+    target_leaves: tuple[tuple[str, str | None], ...] = ()
 
     def __post_init__(self):
         for c in self.copies:
@@ -60,7 +70,8 @@ class Mapping:
                        f"inverse of {self.name}", dict(self.targets), dict(self.sources),
                        tuple(c.inverse() for c in self.copies), self.target_keys, self.source_keys,
                        weights_only=self.unread, unread=self.weights_only, step=self.step,
-                       alternatives=dict(self.alternatives), no_state=self.no_state)
+                       alternatives=dict(self.alternatives), no_state=self.no_state, complete=self.complete,
+                       leaves=self.target_leaves, target_leaves=self.leaves)
 
     def read_as(self, names: dict[str, str]) -> Mapping:
         """This mapping reading each source parameter `a` of `names` under the name `names[a]`."""
@@ -83,5 +94,6 @@ class Mapping:
              optimizer: bool = True) -> MappedCheckpoint:
         """This mapping applied to the checkpoint `md` (in `storage`), a `MappedCheckpoint`: the metadata
         the load sees (target keys, shapes, dtypes) and the source byte ranges behind each target box.
-        Checks every source against the declaration first. `optimizer=False`: the weights only (an export)."""
+        Checks every source against the declaration first, and, for a `complete` mapping, that it reads
+        every model tensor of the checkpoint. `optimizer=False`: the weights only (an export)."""
         return MappedCheckpoint(self, md, storage, check_files, optimizer)

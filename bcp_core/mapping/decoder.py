@@ -343,7 +343,45 @@ def megatron_to_hf(config: Any, *, layout: str | None = None, padded_vocab_size:
         b.mtp(k)
     return Mapping(f"megatron-to-hf ({family.name})", b.sources, b.targets, tuple(b.copies), megatron_scheme(),
                    torch_scheme(model, optimizer), frozenset({"lm_head.weight"}) if d.tied else frozenset(),
-                   step=step, alternatives=b.alternatives, no_state=frozenset(b.no_state))
+                   step=step, alternatives=b.alternatives, no_state=frozenset(b.no_state), complete=True,
+                   leaves=_leaves(family, d, lay, mtp_layers))
+
+
+def _leaves(family: ModelFamily, d: Dims, lay: MegatronLayout, mtp_layers: int) -> tuple:
+    """The Megatron tensors `megatron_to_hf` does not read (`Mapping.leaves`): by design, the multi-token
+    prediction layers where none are mapped (a transformers model holds none); else, for the error, what
+    of the config disagrees with a checkpoint holding them."""
+    def beyond(prefix: str, n: int) -> str:  # a layer number >= n (n >= 1)
+        return rf"{re.escape(prefix)}(?!(?:{'|'.join(map(str, range(n)))})\.)\d+\."
+
+    out: list[tuple[str, str | None]] = [] if mtp_layers else [(r"mtp\.", None)]
+    if d.tied:
+        out.append((r"output_layer\.weight$", "the config's tie_word_embeddings=true makes lm_head the embedding, "
+                                              "and this checkpoint's output layer is its own: set "
+                                              "tie_word_embeddings=false"))
+    if family.attention == "gqa" and not d.qkv_bias:
+        out.append((r".*self_attention\.linear_qkv\.bias$", "the config declares no q/k/v biases (attention_bias="
+                                                            "false), which this checkpoint has"))
+    if not d.attention_bias:
+        out.append((r".*self_attention\.linear_proj\.bias$", "the config declares no o_proj bias (attention_bias="
+                                                             "false), which this checkpoint has"))
+    if not d.mlp_bias:
+        out.append((r".*mlp\.linear_fc[12]\.bias$", "the config declares no MLP biases (mlp_bias=false), which this "
+                                                     "checkpoint has"))
+    if family.attention == "gqa" and not family.qk_norm:
+        out.append((r".*self_attention\.[qk]_layernorm\.weight$", f"a {family.name} config declares no per-head q/k "
+                    "norms (Qwen3's do): is the checkpoint of another family?"))
+    if not family.router_bias:
+        out.append((r".*mlp\.router\.expert_bias$", f"a {family.name} config declares no router expert bias"))
+    if not d.shared_ffn:
+        out.append((r".*mlp\.shared_experts\.", "the config declares no shared expert"))
+    if lay.kind != "stacked":
+        out.append((beyond("decoder.layers.", d.L * (2 if lay.kind == "hybrid" else 1)),
+                    f"the config declares num_hidden_layers={d.L}"))
+    if mtp_layers:
+        out.append((beyond("mtp.layers.", mtp_layers), f"{mtp_layers} multi-token prediction layer(s) are mapped "
+                                                       "(num_nextn_predict_layers)"))
+    return tuple(out)
 
 
 def hf_to_megatron(config: Any, *, layout: str | None = None, padded_vocab_size: int | None = None,

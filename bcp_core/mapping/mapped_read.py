@@ -70,6 +70,7 @@ class MappedCheckpoint:
                     short = key[found.end():]
                     self._prefixed[short] = "" if short in self._prefixed else key
         self._check_sources()
+        self._check_unread()
         shapes = {k: tuple(_resolved(s, k, m.read_copies)) for k, s in m.targets.items()}
         tensors: dict[str, TensorMeta] = {}
         objects: dict[str, ObjectValue] = {}
@@ -140,6 +141,36 @@ class MappedCheckpoint:
             inside(c.source, out[c.source.key], f"mapping {m.name!r}: {m.source_keys.weight_key(c.source.key)!r} "
                                                  f"of shape {out[c.source.key]}")
         return out
+
+    def _check_unread(self) -> None:
+        """A `complete` mapping reads every model tensor of the checkpoint: one that no source names (nor
+        a tied source, nor a name the mapping leaves by design) means the config disagrees with the
+        checkpoint, which a load or export would silently turn into another model."""
+        m = self.mapping
+        if not m.complete or m.source_keys.model is None:
+            return
+        names = set(m.sources)  # a source saved under both of its names (Mapping.alternatives) is read once
+        names |= {x for pair in m.alternatives.items() if names & set(pair) for x in pair}
+        used = {m.source_keys.weight_key(n) for n in names}
+        unread: dict[str | None, list[str]] = {}
+        for key in sorted(self.source.tensors):
+            name = m.source_keys.name_of(key)
+            if key in used or name is None or _NOT_WEIGHTS.search(name):
+                continue
+            why = next((w for pattern, w in m.leaves if re.match(pattern, name)), "")
+            if why is not None:
+                unread.setdefault(why, []).append(key)
+        if not unread:
+            return
+        parts = []
+        for why, keys in sorted(unread.items(), key=lambda kv: kv[0] == ""):
+            shown = ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+            parts.append(f"{shown} ({why})" if why else shown)
+        count = sum(map(len, unread.values()))
+        raise MappingError(f"mapping {m.name!r}: the config disagrees with the checkpoint: the checkpoint holds "
+                           f"{count} model tensor{'s' if count > 1 else ''} the config does not read: "
+                           f"{'; '.join(parts)}. Loading or exporting it would make another model than the one "
+                           "saved: fix the config")
 
     def _optimizer_present(self) -> bool:
         """Whether the source holds optimizer state: every parameter's moments, or none at all."""
@@ -285,6 +316,10 @@ class MappedCheckpoint:
             for v in self._zero_views:
                 v.zero_()
         self._zero_views.clear()
+
+
+# model tensors no mapping reads: Transformer Engine's extra state, rotary frequencies (buffers from the config)
+_NOT_WEIGHTS = re.compile(r"(^|\.)(_extra_state(/.*)?|inv_freq)$")
 
 
 def _narrow(box: Box, offsets, lengths) -> torch.Tensor:

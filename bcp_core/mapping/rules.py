@@ -7,6 +7,7 @@ and `declaration.py` (`Mapping`) build on it (docs/mapping.md).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -65,6 +66,9 @@ class KeyScheme:
     which a mapping between frameworks does not carry (the target keeps its own hyperparameters).
     `state_prefix`: a regular expression for a prefix the framework may put before a state key
     (Megatron's chained optimizers, `chained_<n>.`); a source state key is found with or without it.
+    `model`: a regular expression matching (at the start) the checkpoint keys of the model's tensors,
+    as against optimizer state and anything else saved beside them; None: not known. A mapping that
+    reads a whole model (`Mapping.complete`) finds by it the model tensors it would leave unread.
     """
 
     weight: str
@@ -76,6 +80,7 @@ class KeyScheme:
     common_object: str | None = None
     groups: str | None = None
     state_prefix: str | None = None
+    model: str | None = None
 
     def weight_key(self, name: str) -> str:
         return self.weight.format(name=name)
@@ -83,11 +88,21 @@ class KeyScheme:
     def state_key(self, name: str, state: str) -> str:
         return self.state.format(name=name, state=state)
 
+    def name_of(self, key: str) -> str | None:
+        """The parameter name of the checkpoint key `key` of a model tensor (`model`), or None when `key`
+        is none (or `model` is not known)."""
+        if self.model is None or not re.match(self.model, key):
+            return None
+        head, _, tail = self.weight.partition("{name}")
+        found = re.fullmatch(re.escape(head) + "(.+)" + re.escape(tail), key, re.S)
+        return found[1] if found else None
+
 
 def torch_scheme(model: str = "model", optimizer: str = "optimizer") -> KeyScheme:
     """A module and a torch optimizer saved by bcp as `{model: module, optimizer: optim}`."""
     return KeyScheme(weight=f"{model}.{{name}}", state=f"{optimizer}.state.{{name}}.{{state}}",
-                     step=f"{optimizer}.state.{{name}}.step", groups=f"{optimizer}.param_groups")
+                     step=f"{optimizer}.state.{{name}}.step", groups=f"{optimizer}.param_groups",
+                     model=re.escape(model) + r"\.")
 
 
 def megatron_scheme() -> KeyScheme:
@@ -95,9 +110,10 @@ def megatron_scheme() -> KeyScheme:
     layout (`optimizer.state.<state>.<param key>`, fp32 master copy `param`; saved by a chain of
     optimizers without `chained_optim_avoid_prefix`, each key has its optimizer's `chained_<n>.`
     prefix), the step in Megatron's common state: common.pt up to megatron-core 0.18, the object
-    `common_state` from 0.19 on."""
+    `common_state` from 0.19 on. The model's tensors: every key but the optimizer's."""
     return KeyScheme(weight="{name}", state="optimizer.state.{state}.{name}", master="param",
-                     common_file="common.pt", common_object="common_state/shard_0_1", state_prefix=r"chained_\d+\.")
+                     common_file="common.pt", common_object="common_state/shard_0_1", state_prefix=r"chained_\d+\.",
+                     model=r"(?!optimizer\.|chained_\d+\.)")
 
 
 def inside(region: Region, shape: Shape, what: str) -> None:
