@@ -294,6 +294,7 @@ def _hf_resume_job(nproc: int, root, *args: str, env: dict | None = None) -> Non
     assert run.finish(timeout=400) == 0, run.output[-6000:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_plain_hf_trainer_resumes_deepspeeds_own_zero3_checkpoint_with_bcp_imported(tmp_path):
     """bcp reads DeepSpeed's own checkpoints, but they are not bcp's: a plain Trainer under ZeRO-3 in a
