@@ -325,7 +325,7 @@ class Bcp:
         from bcp_core import host_memory
         from bcp_core.checkpointer import get_checkpointer
         pool = get_checkpointer(self.role).snapshots.pool
-        slots = [s for s in pool._slots if s] + ([s for s in pool._old[1] if s] if pool._old else [])
+        slots = list(pool._slots)  # every slot, whatever layout it was made for
         chunks = [c for free in host_memory._BOUNCES._free.values() for b in free for c in b._bufs]
         return sum(b.nbytes for slot in slots for b in slot if b.is_pinned()) + \
             sum(c.nbytes for c in chunks if c.is_pinned())
