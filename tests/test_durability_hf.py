@@ -151,6 +151,7 @@ def test_preemption_checkpoints_at_the_step_reached_and_resumes_exactly(tmp_path
     assert_holds(os.path.join(root, f"checkpoint-{STEPS}"), os.path.join(finished, f"reference_{STEPS}.pt"), STEPS)
 
 
+@pytest.mark.slow  # the default tier stays under 6 minutes; CI runs both
 @pytest.mark.timeout(300)
 def test_save_total_limit_rotates_after_the_commit_and_a_failed_save_leaves_the_previous_checkpoint(tmp_path):
     """BCPTrainer, save_steps=4, save_total_limit=1, asynchronous saves.

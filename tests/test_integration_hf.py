@@ -226,6 +226,7 @@ def test_plain_trainer_resuming_a_bcp_checkpoint_says_to_use_bcp_trainer(tmp_pat
     assert resumed.state.global_step == 3
 
 
+@pytest.mark.slow  # the default tier stays under 6 minutes; CI runs both
 @pytest.mark.timeout(300)
 def test_bcp_trainer_train_dataloader_state_resharded_2_to_1(tmp_path):
     """BCPTrainer(train_dataloader=MappedLoader(PackedTokenLoader(...))) on 2 ranks checkpoints the

@@ -221,6 +221,7 @@ def test_the_first_checkpoint_uses_staging_prepared_after_the_first_step(tmp_pat
     assert bcp.inspect(str(tmp_path / "ckpts" / "epoch=0-step=2.ckpt")).tensors
 
 
+@pytest.mark.slow  # the default tier stays under 6 minutes; CI runs both
 @pytest.mark.timeout(300)
 def test_packed_token_loader_state_leaves_the_loop_state_and_is_resharded_2_to_1(tmp_path):
     """bcp's PackedTokenLoader as Lightning's train dataloader (DDP, 2 ranks), checkpointed mid-epoch

@@ -155,6 +155,7 @@ def test_a_load_refused_for_a_pickled_value_leaves_the_model_and_optimizer_untou
     untouched.check(fresh.opt)
 
 
+@pytest.mark.slow  # the default tier stays under 6 minutes; CI runs both
 @pytest.mark.timeout(300)
 def test_a_load_refused_for_an_opaque_loader_at_another_dp_degree_leaves_the_model_untouched(tmp_path):
     """A StatefulDataLoader's state, saved mid-epoch by 2 DDP ranks (torchrun), resumed on 1 process:
