@@ -95,6 +95,26 @@ def test_export_hf_that_fails_partway_leaves_no_output_and_keeps_the_old_one(ckp
     assert _leftovers(tmp_path) == []
 
 
+def test_export_hf_removes_what_a_killed_export_left_beside_out(ckpt, tmp_path):
+    """An export killed before its end leaves its staging directory beside OUT: the next export to
+    OUT removes it (its process has ended), never one of a process that runs."""
+    import subprocess
+    import sys
+
+    from bcp_core.storage.base import temp_name
+    path, _ = ckpt
+    gone = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    left = tmp_path / temp_name("hf").replace(f".{os.getpid()}.", f".{gone}.")
+    running = tmp_path / temp_name("hf")  # this process's: a running export's
+    for d in (left, running):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"partial")
+    assert _bcp("export", path, str(tmp_path / "hf"), "--to", "hf") == 0
+    assert not left.exists() and running.exists()
+    assert sorted(os.listdir(tmp_path / "hf")) == ["model.safetensors"]
+
+
 @pytest.mark.parametrize("config", ["missing.json", "not_json.json"])
 def test_export_hf_checks_config_before_writing(ckpt, tmp_path, capsys, config):
     path, _ = ckpt

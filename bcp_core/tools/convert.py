@@ -24,7 +24,7 @@ from ..errors import BCPError, ToolError
 from ..metadata import (CheckpointMetadata, ObjectValue, TensorMeta, check_file_sizes, dtype_from_name, element_size,
                         parse_json, read_capped)
 from ..storage import Storage, storage_for
-from ..storage.base import temp_name
+from ..storage.base import parse_temp_name, temp_name, temp_writer_gone
 from ..storage.local import LocalStorage, local_path
 from ..storage.memory import MemoryStorage
 from ..shards import Box
@@ -279,6 +279,21 @@ def _check_out_dir(st: Storage, out: Storage, target: str | None, overwrite: boo
                             "export elsewhere")
 
 
+def _remove_stale_stages(out: Storage, target: str) -> None:
+    """Remove what exports to `target` killed before their end left beside it (their staging
+    directory, or the directory a replacement had renamed aside): those whose process, of this host,
+    has ended. Another export's in progress stays."""
+    parent, base = os.path.split(target)
+    for name in os.listdir(parent or "."):
+        temp = parse_temp_name(name)
+        if temp is not None and temp.target == base and temp_writer_gone(temp):
+            try:
+                _sibling(out, name).remove("")
+                log.info("removed %s, left by an export that ended before its end", os.path.join(parent, name))
+            except (OSError, BCPError) as e:
+                log.warning("could not remove %s, left by an export that ended: %s", os.path.join(parent, name), e)
+
+
 def _move_into_place(stage: Storage, stage_dir: str, out: Storage, target: str, overwrite: bool) -> None:
     """Rename the complete export `stage_dir` to `target`. Without `overwrite` the rename itself refuses a
     directory that is not empty (whatever appeared there meanwhile); with it, an existing `target` is
@@ -328,6 +343,7 @@ def _export_hf(st, md, out_path, entries, shard_bytes, config, num_threads, prog
     if target is None:
         stage, stage_dir = out, None
     else:  # written beside OUT, renamed into place once complete
+        _remove_stale_stages(out, target)
         stage = _sibling(out, temp_name(os.path.basename(target)))
         stage_dir = _local_dir(stage)
     written: list[str] = []
