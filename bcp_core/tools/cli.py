@@ -14,7 +14,7 @@ import sys
 
 from ..errors import BCPError, MissingExtraError, ToolError
 from ..utils import human_bytes
-from . import convert, inspect, manage, rename, verify
+from . import convert, importing, inspect, manage, rename, verify
 
 _EPILOG = """\
 examples:
@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
             + ", ".join(rep["files"][:6]) + (" ..." if len(rep["files"]) > 6 else ""))
         return 0
     if args.command == "import":
-        rep = convert.import_checkpoint(args.src, args.out, args.source, args.prefix, args.allow_pickle, args.rename)
+        rep = importing.import_checkpoint(args.src, args.out, args.source, args.prefix, args.allow_pickle, args.rename)
         _print_json(rep) if args.json else print(
             f"imported {rep['tensors']} tensors ({human_bytes(rep['bytes'])}) and {rep['values']} "
             f"values into {rep['out']}")

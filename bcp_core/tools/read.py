@@ -7,8 +7,10 @@ checksums verified).
 from __future__ import annotations
 
 import math
+import os
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -17,9 +19,10 @@ from .. import layout
 from ..engine import read_all
 from ..load_planner import box_read_items
 from ..loader import parse_metadata
-from ..metadata import CheckpointMetadata, TensorMeta, check_file_sizes, element_size, read_metadata_file
+from ..metadata import (CheckpointMetadata, TensorMeta, check_file_sizes, element_size, parse_json, read_capped,
+                        read_metadata_file)
 from ..shards import Box
-from ..storage import Storage
+from ..storage import Storage, storage_for
 
 # Tensors are read in row blocks of about this size: export and verify memory stays near it.
 CHUNK_BYTES = 64 << 20
@@ -85,3 +88,9 @@ def read_whole(st: Storage, md: CheckpointMetadata, fqn: str, tm: TensorMeta, nu
     read_all(st, md.files, md.checksum_block_bytes,
              box_read_items(fqn, tm, Box((0,) * len(tm.shape), tuple(tm.shape), out)), True, num_threads)
     return out
+
+
+def read_json(path: str) -> Any:
+    """The JSON document of local file `path` (an HF config or index): read only within the cap of
+    every JSON text bcp reads (`read_capped`), parsed by `parse_json`."""
+    return parse_json(read_capped(storage_for(os.path.dirname(path) or "."), os.path.basename(path)), path)

@@ -563,7 +563,7 @@ def test_a_hostile_metrics_file_is_a_metadata_error_naming_it(root, content):
 
 @pytest.mark.parametrize("content", ["huge", "deep"])
 def test_a_hostile_hf_index_is_refused_naming_it(tmp_path, content):
-    from bcp_core.tools.convert import import_checkpoint
+    from bcp_core.tools.importing import import_checkpoint
     index = tmp_path / "hf" / "model.safetensors.index.json"
     index.parent.mkdir()
     if content == "huge":
