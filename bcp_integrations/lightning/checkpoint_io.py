@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import posixpath
-import re
 import signal
 import threading
 from abc import ABC
@@ -15,7 +14,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import (DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy,
@@ -26,14 +24,13 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import bcp_core as bcp
 from bcp_core import codec, metrics
-from bcp_core.dataloader import loadable_loader_state, saved_loader_state
-from bcp_core.engine.read import ShardReader
 from bcp_core.integration import companions
 from bcp_core.layout import list_checkpoints, remove_checkpoint, remove_superseded
-from bcp_core.metadata import ObjectValue, parse_json
+from bcp_core.metadata import parse_json
 from bcp_core.rng import rng_state, set_rng_state
 from bcp_core.tiers import load_newest
-from bcp_core.utils import this_rank
+
+from .loader_states import LOADER_KEY, check_loader_states, move_loader_states, restore_loader_states, saved_value
 
 log = logging.getLogger("bcp")
 
@@ -245,9 +242,9 @@ class BCPCheckpointIO(CheckpointIO):
                           if any(key.startswith(k + ".") for key in keys)})
         if "extra_state.rng.torch" in keys:
             state["extra_state"] = {}
-        for name in {k.split(".", 1)[0] for k in keys if _LOADER_KEY.match(k.split(".", 1)[0])}:
+        for name in {k.split(".", 1)[0] for k in keys if LOADER_KEY.match(k.split(".", 1)[0])}:
             state[name] = {}  # the live loaders do not exist yet: Lightning restores them later
-        _check_loader_states(strategy, checkpoint, md, self.allow_pickle)
+        check_loader_states(strategy, checkpoint, md, self.allow_pickle)
         return state, checkpoint
 
     def load_all_ranks(self, strategy: Strategy, path) -> dict[str, Any]:
@@ -270,7 +267,7 @@ class BCPCheckpointIO(CheckpointIO):
             state, checkpoint = self._state_for(strategy, bcp.inspect(path), os.fspath(path))
             bcp.load(path, state, allow_pickle=self.allow_pickle, num_threads=self.num_threads)
         has_optimizers = "optimizer_0" in state
-        _restore_loader_states(strategy, checkpoint, state)
+        restore_loader_states(strategy, checkpoint, state)
         # The model and optimizers are already in place; Lightning's own restore of them is disabled
         # by the mixin, but user hooks (on_load_checkpoint) may look for the keys.
         checkpoint["state_dict"] = {}
@@ -551,10 +548,6 @@ _install_binding()
 
 # ----------------------------------------------------------------------------- helpers
 
-# bcp keys of the train loaders' states: "dataloader", "dataloader_1", ... (one per stateful loader)
-_LOADER_KEY = re.compile(r"^dataloader(_\d+)?$")
-
-
 def _bcp_state(strategy: Strategy, checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """A save's bcp state for Lightning's checkpoint dict: the live model, the optimizers (unless
     the checkpoint is weights only), the train loaders' states; and the rest of the dict, which
@@ -565,83 +558,12 @@ def _bcp_state(strategy: Strategy, checkpoint: dict[str, Any]) -> tuple[dict[str
             state[f"optimizer_{i}"] = opt
         state.update(companions([strategy.model], state))  # a DeepSpeed engine's counters
     rest = {k: v for k, v in checkpoint.items() if k not in _TENSOR_KEYS}
-    return state, _move_loader_states(strategy, rest, state)
-
-
-def _fit_loop_state(checkpoint: dict) -> dict | None:
-    sd = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict")
-    return sd if isinstance(sd, dict) else None
-
-
-def _dp_position(strategy: Strategy) -> tuple[int, int]:
-    """This rank's data-parallel rank and degree, as Lightning gives them to samplers."""
-    kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
-    return int(kwargs.get("rank", 0)), int(kwargs.get("num_replicas", 1)) or 1
-
-
-def _move_loader_states(strategy: Strategy, rest: dict, state: dict) -> dict:
-    """Take the train loaders' states out of Lightning's loop state into bcp's dataloader entries.
-
-    Lightning keeps them in ``loops.fit_loop.state_dict.combined_loader``, one per stateful train
-    loader. In that replicated dict one rank's state would stand for all; as ``state["dataloader"]``
-    (``dataloader_1``, ...) each DP rank's part is saved, and a ReshardableLoader's state is split
-    and merged when the DP degree changes. The loop state keeps the entries' names.
-    """
-    fit = _fit_loop_state(rest)
-    states = fit.get("combined_loader") if fit else None
-    if not states:
-        return rest
-    combined = strategy.lightning_module.trainer.fit_loop._combined_loader
-    loaders = [ld for ld in combined.flattened if isinstance(ld, _Stateful)] if combined is not None else []
-    if len(loaders) != len(states):
-        raise RuntimeError(f"Lightning's loop state holds {len(states)} train loader states, the train "
-                           f"dataloader has {len(loaders)} stateful loaders")
-    dp_rank, dp_size = _dp_position(strategy)
-    # Lightning's fetcher draws a batch ahead of the one being trained on (to know when the epoch
-    # ends); the state saved is the one before the batches it holds, so they are not lost.
-    fetcher = strategy.lightning_module.trainer.fit_loop._data_fetcher
-    unconsumed = len(getattr(fetcher, "batches", None) or ())
-    names = []
-    for i, (loader, loader_state) in enumerate(zip(loaders, states)):
-        name = "dataloader" if i == 0 else f"dataloader_{i}"
-        state[name] = saved_loader_state(loader, loader_state, dp_rank, dp_size, unconsumed)
-        names.append(name)
-    # copies along the path: Lightning's own dict stays as it was
-    loops = dict(rest["loops"])
-    loops["fit_loop"] = dict(loops["fit_loop"])
-    loops["fit_loop"]["state_dict"] = {**fit, "combined_loader": names}
-    return {**rest, "loops": loops}
-
-
-def _restore_loader_states(strategy: Strategy, checkpoint: dict, state: dict) -> None:
-    """Put the loaded loader states back where Lightning looks for them (the fit loop hands them to
-    the live loaders' load_state_dict once it has built them)."""
-    fit = _fit_loop_state(checkpoint)
-    names = fit.get("combined_loader") if fit else None
-    if not names:
-        return
-    dp_rank, dp_size = _dp_position(strategy)
-    fit["combined_loader"] = [loadable_loader_state(state[name], dp_rank, dp_size) for name in names]
-
-
-def _saved_value(md, key: str, allow_pickle: bool) -> Any:
-    """The value saved under `key`, from the metadata `md` (this rank's, where ranks saved different
-    ones), decoded; `_NOT_SAVED` if `md` holds no value there (a tensor, nothing)."""
-    if key in md.objects:
-        return codec.decode(md.objects[key].encoded, key, allow_pickle)
-    if key in md.per_rank:
-        variant = md.per_rank[key].variant_for(this_rank())
-        if isinstance(variant, ObjectValue):
-            return codec.decode(variant.encoded, key, allow_pickle)
-    return _NOT_SAVED
-
-
-_NOT_SAVED = object()
+    return state, move_loader_states(strategy, rest, state)
 
 
 def _lightning_value(md, where: str, allow_pickle: bool) -> dict[str, Any]:
     """Lightning's part of the checkpoint (everything but the model and optimizers), from its metadata."""
-    text = _saved_value(md, "lightning", False)
+    text = saved_value(md, "lightning", False)
     if not isinstance(text, str):
         raise bcp.KeyMismatchError(f"{where} holds no Lightning checkpoint value ('lightning'): not a checkpoint "
                                    "BCPCheckpointIO saved")
@@ -651,50 +573,6 @@ def _lightning_value(md, where: str, allow_pickle: bool) -> dict[str, Any]:
         raise bcp.MetadataError(f"the Lightning checkpoint value of {where} is a {type(checkpoint).__name__}, "
                                 "not a dict")
     return checkpoint
-
-
-class _SavedIndices(ShardReader):
-    """A sharded object's saved indices, from the metadata; reads nothing (its shards are None)."""
-
-    def __init__(self, md, fqn: str):
-        super().__init__(None, md, fqn, False, False)
-
-    def __getitem__(self, index) -> None:
-        if index not in self:
-            return super().__getitem__(index)  # raises, naming the index
-        return None
-
-
-def _check_loader_states(strategy: Strategy, checkpoint: dict, md, allow_pickle: bool) -> None:
-    """Raise now what `_restore_loader_states` would raise after the load (an opaque loader's state
-    saved at another DP degree: LoaderStateError), from the metadata: each loader state Lightning's
-    loop state names, built from its saved values, its shards standing in by their indices."""
-    fit = _fit_loop_state(checkpoint)
-    names = fit.get("combined_loader") if fit else None
-    if not names:
-        return
-    dp_rank, dp_size = _dp_position(strategy)
-    for name in names:
-        if not isinstance(name, str):
-            continue  # not a name `_move_loader_states` wrote: `_restore_loader_states` says what it is
-        loader_state = _saved_value(md, name, allow_pickle)
-        if loader_state is _NOT_SAVED:
-            loader_state = {}
-            for key in md.keys():
-                if not key.startswith(name + "."):
-                    continue
-                value = _SavedIndices(md, key) if key in md.sharded_objects else _saved_value(md, key, allow_pickle)
-                if value is _NOT_SAVED:
-                    continue
-                *parents, last = key[len(name) + 1:].split(".")
-                node = loader_state
-                for part in parents:
-                    node = node.setdefault(part, {})
-                    if not isinstance(node, dict):
-                        break
-                else:
-                    node[last] = value
-        loadable_loader_state(loader_state, dp_rank, dp_size)
 
 
 def _held(entries, lightning: dict[str, Any]) -> frozenset[str]:
