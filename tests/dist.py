@@ -29,9 +29,11 @@ def _worker(rank, world_size, port, fn, args, queue, env, cwd):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
-    # a hung rank's Python stacks, asked for by the parent on timeout (SIGUSR1)
+    # a hung rank's Python stacks, asked for by the parent on timeout (SIGUSR1), and a crashed
+    # rank's (SIGSEGV and the like), read by the parent when it finds the rank dead
     stacks = open(_stacks_file(port, rank), "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    faulthandler.enable(file=stacks, all_threads=True)
     try:
         # the store is the parent's, as torchrun's agent hosts it: it outlives every rank, so a rank
         # that ends first does not cut the others off mid-exchange
@@ -115,7 +117,7 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 180.0) -> list:
                             pass
                     errors = [f"--- rank {r} ---\n{v}" for r, (s, v) in sorted(results.items()) if s == "error"]
                     raise RuntimeError(f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}\n"
-                                       + "\n".join(errors))
+                                       + "\n".join(errors) + _read_stacks(port, dead))
     finally:
         # ranks that all succeeded exit at once; after a failure a survivor may sit in teardown
         # waiting for a dead peer: it is not waited for long
@@ -143,13 +145,18 @@ def _stacks(procs, port: int, ranks: list[int]) -> str:
         except ProcessLookupError:
             continue
     time.sleep(1.0)
+    return _read_stacks(port, ranks)
+
+
+def _read_stacks(port: int, ranks: list[int]) -> str:
+    out = []
     for r in ranks:
         try:
             with open(_stacks_file(port, r)) as f:
                 out.append(f"--- rank {r} stacks ---\n{f.read()[-6000:]}")
         except OSError:
             pass
-    return "\n".join(out)
+    return "\n" + "\n".join(out)
 
 
 RECIPES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "recipes")
