@@ -85,7 +85,20 @@ def _damaged_deepspeed_file_is_refused(job, tmp_path) -> None:
     assert all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
 
 
-@pytest.mark.slow  # 70 s: the default tier keeps the HF Trainer's ZeRO-3 resume
+@pytest.mark.timeout(300)
+def test_zero3_saved_while_training_loads_into_zero2_and_a_plain_model(tmp_path):
+    """The default tier's DeepSpeed case (7 s; the matrix below and the HF Trainer's resumes are slow)."""
+    job = _job_module()
+    run = Job("deepspeed_train.py", 2, "--phase", "reshard", "--root", str(tmp_path), env=ENV)
+    assert run.finish(timeout=240) == 0, run.output[-6000:]
+    assert all((tmp_path / f"reshard_ok_rank{r}").exists() for r in (0, 1))
+    ref = torch.load(tmp_path / "ref_zero3.pt")
+    _plain_state_equals(job, tmp_path / "zero3", ref)
+    after = torch.load(tmp_path / "after_zero3.pt")  # the state as of the save's call, not the step after
+    assert not torch.equal(after["values"]["model.lm_head.weight"], ref["model.lm_head.weight"])
+
+
+@pytest.mark.slow  # 70 s
 @pytest.mark.timeout(900)
 def test_zero_checkpoints_reshard_across_stages_world_sizes_and_frameworks(tmp_path):
     job = _job_module()
@@ -169,6 +182,7 @@ def _hf_stop_and_resume(tmp_path, stage: int) -> None:
     _same_reference(torch.load(part / "reference_4.pt"), torch.load(full / "reference_4.pt"))
 
 
+@pytest.mark.slow  # 70 s
 @pytest.mark.timeout(900)
 def test_hf_trainer_zero3_stops_and_resumes_bit_identical(tmp_path):
     _hf_stop_and_resume(tmp_path, 3)

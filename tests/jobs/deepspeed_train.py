@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO through bcp's plain API, as a user's torchrun job runs it (DS_ACCELERATOR=cpu, gloo).
 
     torchrun --nproc_per_node 2 tests/jobs/deepspeed_train.py --phase matrix --root DIR
+    torchrun --nproc_per_node 2 tests/jobs/deepspeed_train.py --phase reshard --root DIR
     torchrun --nproc_per_node 1 tests/jobs/deepspeed_train.py --phase continue --root DIR
 
 A tiny LlamaForCausalLM (built from a config, no dropout) trains on fixed tokens, 2 sequences per rank
@@ -18,6 +19,11 @@ them into ZeRO, and DIR/plain (a 1-process checkpoint the test wrote) into ZeRO-
 loaded state is compared, bit for bit, with its reference. A checkpoint of another shape must fail
 on every rank with one error naming the tensor and both shapes, leaving the engine as it was.
 Writes DIR/matrix_ok_rank<r> when all of it holds.
+
+reshard (2 ranks), the default tier's share of matrix: ZeRO-3 trains 2 steps and is saved asynchronously
+while a third step runs (DIR/zero3, DIR/ref_zero3.pt, DIR/after_zero3.pt as in matrix), then loaded into
+a fresh ZeRO-2 engine and compared bit for bit; a checkpoint of another shape is refused on every rank,
+leaving the engine as it was. Writes DIR/reshard_ok_rank<r>.
 
 megatron (2 ranks): DIR/megatron/iter_0000003 (Megatron-core's checkpoint of recipes/megatron_to_hf.py)
 into a Hugging Face Llama under ZeRO-3 with `mapping="auto"`, compared with DIR/ref_megatron.pt.
@@ -260,19 +266,45 @@ def matrix(root: str) -> None:
     got.pop("global_steps")
     check_equal(got, plain_ref, "plain -> ZeRO-3")
 
-    # a checkpoint of another shape: one error on every rank, nothing changed
+    shape_mismatch_is_refused(os.path.join(root, "zero2"))
+
+    open(os.path.join(root, f"matrix_ok_rank{rank}"), "w").close()
+
+
+def reshard(root: str) -> None:
+    rank = dist.get_rank()
+    engine = engine_for(3)
+    for step in (0, 1):
+        train_step(engine, step)
+    path = os.path.join(root, "zero3")
+    handle = bcp.save(path, {**engine_state(engine), "extra_state": {"rng": bcp.rng.rng_state()}}, async_save=True)
+    ref = full_values(engine)
+    after = train_step(engine, 2)  # the next step runs while the save writes
+    handle.wait()
+    if rank == 0:
+        torch.save(ref, os.path.join(root, "ref_zero3.pt"))
+        torch.save({"loss": after, "values": full_values(engine)}, os.path.join(root, "after_zero3.pt"))
+    else:
+        full_values(engine)  # collective
+    engine = engine_for(2, seed=7)
+    bcp.load(path, engine_state(engine))
+    check_equal(full_values(engine), ref, "bcp ZeRO-3 -> ZeRO-2")
+    shape_mismatch_is_refused(path)
+    open(os.path.join(root, f"reshard_ok_rank{rank}"), "w").close()
+
+
+def shape_mismatch_is_refused(path: str) -> None:
+    """A checkpoint of another shape: one error on every rank, nothing changed."""
     engine = engine_for(3, seed=7, vocab_size=80)
     train_step(engine, 0)  # the optimizer state exists: the failed load must leave it too
     before = full_values(engine)
     try:
-        bcp.load(os.path.join(root, "zero2"), engine_state(engine))
+        bcp.load(path, engine_state(engine))
     except bcp.ShapeMismatchError as e:
         assert "embed_tokens.weight" in str(e) and "(64, 16)" in str(e) and "(80, 16)" in str(e), str(e)
     else:
         raise AssertionError("loading a checkpoint of another vocabulary size did not fail")
     check_equal(full_values(engine), before, "after the failed load")
-
-    open(os.path.join(root, f"matrix_ok_rank{rank}"), "w").close()
 
 
 def continue_on_one(root: str) -> None:
@@ -310,11 +342,11 @@ def from_megatron(root: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--phase", choices=("matrix", "continue", "megatron"), required=True)
+    parser.add_argument("--phase", choices=("matrix", "reshard", "continue", "megatron"), required=True)
     parser.add_argument("--root", required=True)
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
-    {"matrix": matrix, "continue": continue_on_one, "megatron": from_megatron}[args.phase](args.root)
+    {"matrix": matrix, "reshard": reshard, "continue": continue_on_one, "megatron": from_megatron}[args.phase](args.root)
 
 
 if __name__ == "__main__":
