@@ -263,6 +263,20 @@ def _save_worker(rank, world_size, root, names):
         if rank == 0:
             torch.save(ref, os.path.join(root, f"{layout}.ref.pt"))
         out["losses"][layout] = train_layout(model, optim, range(TRAIN_STEPS, TRAIN_STEPS + MORE_STEPS))
+    # One optimizer over two FSDP1 modules of the state whose parameters have the same names: refused
+    # (optimizer state is keyed by parameter name; one's state would be saved over the other's).
+    out["same_names_errors"] = []
+    for orig in (False, True):
+        kw = dict(device_id=torch.device("cpu"), use_orig_params=orig)
+        a, b = FSDP(nn.Linear(4, 4), **kw), FSDP(nn.Linear(4, 4), **kw)
+        opt = torch.optim.Adam([*a.parameters(), *b.parameters()])
+        b(a(torch.ones(2, 4))).sum().backward()
+        opt.step()
+        try:
+            bcp.save(os.path.join(root, f"same_names_{orig}"), {"a": a, "b": b, "optimizer": opt})
+            out["same_names_errors"].append(None)
+        except bcp.BCPError as e:
+            out["same_names_errors"].append(str(e))
     # Refused while parameters are unsharded: the flat shard is then not what training uses.
     model, optim = build(CASES["full"], "fsdp1")
     with FSDP.summon_full_params(model, writeback=False):
@@ -339,6 +353,14 @@ def test_save_refuses_unsharded_parameters(saved):
     _, outs, _ = saved
     for out in outs[:2]:
         assert out["unsharded_error"] and "unsharded" in out["unsharded_error"], out["unsharded_error"]
+
+
+def test_one_optimizer_over_modules_with_the_same_parameter_names_is_refused(saved):
+    _, outs, _ = saved
+    for out in outs[:2]:
+        assert len(out["same_names_errors"]) == 2
+        for error in out["same_names_errors"]:
+            assert error and "both named 'weight'" in error, error
 
 
 def test_checkpoint_is_decomposed_per_original_parameter(saved):

@@ -89,3 +89,32 @@ def test_single_process_load_without_process_group(saved):
     model = Net()
     bcp.load(os.path.join(root, "fsdp2_tp"), {"model": model})
     assert_same(ref["model"], model.state_dict())
+
+
+def test_one_optimizer_over_modules_with_the_same_parameter_names_is_refused(tmp_path):
+    """Optimizer state is keyed by parameter FQN, relative to the parameter's module in the state: two
+    modules with a `weight` each under one optimizer would have one's state saved over the other's,
+    and loaded into the wrong one. Save and load refuse it, naming the FQN, and the load changes
+    nothing."""
+    import bcp_core as bcp
+    from torch import nn
+
+    def trained(opt_of_both: bool):
+        torch.manual_seed(0)
+        enc, dec = nn.Linear(3, 3), nn.Linear(3, 3)
+        opt = torch.optim.Adam([*enc.parameters(), *dec.parameters()] if opt_of_both else enc.parameters())
+        dec(enc(torch.ones(2, 3))).sum().backward()
+        opt.step()
+        return enc, dec, opt
+
+    enc, dec, opt = trained(opt_of_both=True)
+    with pytest.raises(bcp.BCPError, match="both named 'weight'"):
+        bcp.save(tmp_path / "both", {"enc": enc, "dec": dec, "optimizer": opt})
+    # a checkpoint whose optimizer held only enc's parameters, loaded where it holds both
+    enc1, dec1, opt1 = trained(opt_of_both=False)
+    bcp.save(tmp_path / "enc_only", {"enc": enc1, "dec": dec1, "optimizer": opt1})
+    before = {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+    with pytest.raises(bcp.BCPError, match="both named 'weight'"):
+        bcp.load(tmp_path / "enc_only", {"enc": enc, "dec": dec, "optimizer": opt})
+    for p, st in opt.state.items():
+        assert all(torch.equal(v, before[id(p)][k]) for k, v in st.items())

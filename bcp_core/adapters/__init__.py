@@ -8,18 +8,19 @@ tensors and back. Built in: `plain`, `ddp`, `dtensor` (FSDP2, TP, HSDP: any DTen
 
 Adapters of other frameworks are known by name before they are imported (`_LAZY`, as fsspec knows
 its filesystems by protocol): `framework="deepspeed"` imports bcp's DeepSpeed adapter, and so does
-`"auto"` when the state holds an object of a class from the `deepspeed` package. bcp itself never
-imports a training framework.
+`"auto"` once the process has imported the `deepspeed` package (to ask whether DeepSpeed trains a
+module of the state). bcp itself never imports a training framework.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 
 from torch import nn
 
 from ..errors import BCPError, UnsupportedValueError
-from .generic import DDPAdapter, DTensorAdapter, ModuleAdapter, clean_fqn, unwrap
+from .generic import DDPAdapter, DTensorAdapter, ModuleAdapter, check_distinct_fqns, clean_fqn, unwrap
 
 ALIASES = {"fsdp": "fsdp1", "fsdp2": "dtensor"}
 
@@ -68,8 +69,18 @@ def detect_framework(state: dict) -> str:
     """The most specific layout among the state's modules: deepspeed > fsdp1 > dtensor > ddp > plain."""
     modules = [v for v in state.values() if isinstance(v, nn.Module)]
     for package, name in _BY_PACKAGE.items():
-        if any(_from_package(v, package) for v in state.values()) and \
-                any(get_adapter(name).matches(m) for m in modules):
+        if package not in sys.modules:
+            continue  # nothing in the state can be of it
+        # Its objects in the state, or a module of the user's that it trains: DeepSpeed's ZeRO trains
+        # copies of the parameters it marks, and a load into the module alone would be lost.
+        ours = any(_from_package(v, package) for v in state.values())
+        try:
+            adapter = get_adapter(name)
+        except (BCPError, ImportError):
+            if ours:
+                raise
+            continue  # a version bcp does not support, and nothing of it in the state
+        if any(adapter.matches(m) for m in modules):
             return name
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
     if any(isinstance(s, FSDP1) for m in modules for s in m.modules()):
@@ -99,4 +110,5 @@ def resolve_framework(state: dict, framework: str) -> ModuleAdapter:
 
 
 __all__ = ["ModuleAdapter", "DDPAdapter", "DTensorAdapter", "register_adapter", "get_adapter", "detect_framework",
-           "resolve_framework", "canonical_name", "known_frameworks", "unwrap", "clean_fqn", "ALIASES"]
+           "resolve_framework", "canonical_name", "known_frameworks", "unwrap", "clean_fqn", "check_distinct_fqns",
+           "ALIASES"]

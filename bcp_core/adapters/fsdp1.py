@@ -36,7 +36,7 @@ from ..metadata import CheckpointMetadata
 from ..shards import Box, ShardedView, range_boxes
 from ..utils import this_rank
 from . import register_adapter
-from .generic import ModuleAdapter, clean_fqn, unwrap
+from .generic import ModuleAdapter, check_distinct_fqns, clean_fqn, unwrap
 
 # Versions whose FSDP1 internals this adapter was written against and tested with.
 TESTED_TORCH = ((2, 4), (2, 13))
@@ -317,6 +317,13 @@ def _opt_params(opt, key: str, fqn_of: dict[int, str]) -> tuple[list, list]:
             raise BCPError(f"optimizer {key!r}: parameter #{i} (shape {tuple(p.shape)}) belongs to no "
                            "nn.Module in the state; put the model in the same state dict")
         names.append(fqn_of[id(p)])
+    named = []  # the checkpoint's FQNs of the optimizer's parameters (a flat parameter's originals)
+    for p, name in zip(params, names):
+        if isinstance(name, _Name):
+            named += [(o.fqn, o.shape) for o in name.origs]
+        else:
+            named.append((name, tuple(p.shape)))
+    check_distinct_fqns(key, named)
     return params, names
 
 

@@ -114,12 +114,28 @@ def _optimizer_params(opt: torch.optim.Optimizer) -> list[nn.Parameter]:
 
 def _optimizer_fqns(opt, key: str, fqn_of: dict[int, str]) -> list[str]:
     fqns = []
-    for i, p in enumerate(_optimizer_params(opt)):
+    params = _optimizer_params(opt)
+    for i, p in enumerate(params):
         if id(p) not in fqn_of:
             raise BCPError(f"optimizer {key!r}: parameter #{i} (shape {tuple(p.shape)}) belongs to no "
                            "nn.Module in the state; put the model in the same state dict")
         fqns.append(fqn_of[id(p)])
+    check_distinct_fqns(key, [(f, tuple(p.shape)) for f, p in zip(fqns, params)])
     return fqns
+
+
+def check_distinct_fqns(key: str, named: list[tuple[str, tuple[int, ...]]]) -> None:
+    """Raise if two parameters of optimizer `key` ((FQN, shape) each) have one FQN: its state is keyed
+    by FQN, so one's state would silently replace the other's. FQNs are relative to each module of
+    the state: two modules under different keys both have a `weight`."""
+    first: dict[str, tuple[int, ...]] = {}
+    for fqn, shape in named:
+        if fqn in first:
+            raise BCPError(f"optimizer {key!r}: two of its parameters (shapes {first[fqn]} and {shape}) are both "
+                           f"named {fqn!r} (relative to their modules in the state); optimizer state is keyed by "
+                           "parameter name, so put the modules under one nn.Module (e.g. an nn.ModuleDict) or "
+                           "give each its own optimizer")
+        first[fqn] = shape
 
 
 def optimizer_leaves(opt, key: str, fqn_of: dict[int, str]) -> dict[str, Any]:

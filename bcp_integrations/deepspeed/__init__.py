@@ -6,8 +6,9 @@
     bcp.save(path, engine_state(engine), async_save=True)   # model, ZeRO optimizer, scheduler, counters
     bcp.load(path, engine_state(engine))                    # any stage, any world size, or from FSDP/plain
 
-`framework="auto"` recognises the engine (or a module trained by one with its ZeRO optimizer); the
-checkpoint is keyed by parameter FQN like every other layout's (docs/integrations.md, DeepSpeed).
+`framework="auto"` recognises the engine (or the module a ZeRO-3 engine trains; ZeRO-1/2's module
+alone is refused: its parameters are only the working copies); the checkpoint is keyed by parameter
+FQN like every other layout's (docs/integrations.md, DeepSpeed).
 """
 
 from bcp_core.extras import require_extra

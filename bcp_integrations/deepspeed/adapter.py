@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bcp_core.adapters import ModuleAdapter, clean_fqn, register_adapter, unwrap
+from bcp_core.adapters import ModuleAdapter, check_distinct_fqns, clean_fqn, register_adapter, unwrap
 from bcp_core.errors import BCPError, ShapeMismatchError, UnsupportedValueError
 from bcp_core.flatten import LoadTarget, LoadTargets
 from bcp_core.metadata import CheckpointMetadata
@@ -187,14 +187,14 @@ def layout_of(opt) -> ZeroLayout:
 # ----------------------------------------------------------------------------- the adapter
 
 class DeepSpeedAdapter(ModuleAdapter):
-    """`framework="deepspeed"`: a DeepSpeed engine (or the module it trains) and its ZeRO optimizer (or
-    its bf16 / fp16 optimizer without ZeRO: master copies, laid out as whole runs)."""
+    """`framework="deepspeed"`: a DeepSpeed engine (or the module a ZeRO-3 engine trains) and its ZeRO
+    optimizer (or its bf16 / fp16 optimizer without ZeRO: master copies, laid out as whole runs)."""
 
     name = "deepspeed"
     loads_together = True  # the low-precision copies are re-gathered over the data-parallel group
 
     def matches(self, module: nn.Module) -> bool:
-        return is_engine(module) or zero_optimizer_of(module) is not None
+        return is_engine(module) or zero_optimizer_of(module) is not None or _trained_by_zero(module)
 
     def is_optimizer(self, obj: Any) -> bool:
         return isinstance(obj, torch.optim.Optimizer) or is_zero(obj)
@@ -208,6 +208,13 @@ class DeepSpeedAdapter(ModuleAdapter):
             if any(hasattr(p, "ds_id") for p in root.parameters()):
                 raise BCPError("a ZeRO-3 partitioned model without its optimizer: pass the DeepSpeed engine "
                                "(state={'model': engine, ...}) so that bcp finds the partitions")
+            if _trained_by_zero(root):
+                # ZeRO-1/2 (without offload) and the bf16 optimizer leave no way from the model to
+                # them: its parameters alone are the working copies, not the fp32 values trained
+                raise BCPError("a model trained by DeepSpeed's ZeRO-1/2 or bf16 optimizer, without its engine: "
+                               "pass the DeepSpeed engine (state={'model': engine, ...}) so that bcp saves the "
+                               "fp32 master weights the optimizer holds and, after a load, makes the model's "
+                               "working copies follow them")
             return super().module_state(root)
         layout = layout_of(opt)
         out: dict[str, Any] = {}
@@ -344,6 +351,7 @@ def _names(layout: ZeroLayout, key: str, fqn_of: dict[int, str]) -> dict[int, st
             raise BCPError(f"optimizer {key!r}: a parameter of shape {layout.runs[pid].shape} belongs to no module "
                            "in the state; put the model (the DeepSpeed engine) in the same state dict")
         names[pid] = clean_fqn(name)
+    check_distinct_fqns(key, [(names[pid], run.shape) for pid, run in layout.runs.items()])
     return names
 
 
@@ -428,6 +436,12 @@ def _keep(slot: dict, sname: str):
 
 def _ignore(_value) -> None:
     return None
+
+
+def _trained_by_zero(module: nn.Module) -> bool:
+    """Whether DeepSpeed's ZeRO or bf16 optimizer trains `module`'s parameters: it marks each of them on
+    every rank (stage 3: `ds_id`; stage 1/2 and bf16: `_hp_mapping`, None where the rank holds none of it)."""
+    return any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in module.parameters())
 
 
 def _partition_run(p: nn.Parameter, opt) -> Run:

@@ -23,7 +23,8 @@ Writes DIR/matrix_ok_rank<r> when all of it holds.
 reshard (2 ranks), the default tier's share of matrix: ZeRO-3 trains 2 steps and is saved asynchronously
 while a third step runs (DIR/zero3, DIR/ref_zero3.pt, DIR/after_zero3.pt as in matrix), then loaded into
 a fresh ZeRO-2 engine and compared bit for bit; a checkpoint of another shape is refused on every rank,
-leaving the engine as it was. Writes DIR/reshard_ok_rank<r>.
+leaving the engine as it was; so are a save of one optimizer over two modules whose parameters have
+the same names, and the module ZeRO-2 trains passed without its engine. Writes DIR/reshard_ok_rank<r>.
 
 megatron (2 ranks): DIR/megatron/iter_0000003 (Megatron-core's checkpoint of recipes/megatron_to_hf.py)
 into a Hugging Face Llama under ZeRO-3 with `mapping="auto"`, compared with DIR/ref_megatron.pt.
@@ -286,11 +287,41 @@ def reshard(root: str) -> None:
         torch.save({"loss": after, "values": full_values(engine)}, os.path.join(root, "after_zero3.pt"))
     else:
         full_values(engine)  # collective
+    same_names_are_refused(root, engine)
     engine = engine_for(2, seed=7)
     bcp.load(path, engine_state(engine))
     check_equal(full_values(engine), ref, "bcp ZeRO-3 -> ZeRO-2")
+    module_without_engine_is_refused(path, engine)
     shape_mismatch_is_refused(path)
     open(os.path.join(root, f"reshard_ok_rank{rank}"), "w").close()
+
+
+def same_names_are_refused(root: str, engine) -> None:
+    """One optimizer over two modules of the state whose parameters have the same names (two decoder
+    layers, each under its own key): refused on every rank, as one's state would be saved over the other's."""
+    layers = engine.module.model.layers
+    try:
+        bcp.save(os.path.join(root, "same_names"), {"a": layers[0], "b": layers[1], "optimizer": engine.optimizer})
+    except bcp.BCPError as e:
+        assert "both named 'self_attn.q_proj.weight'" in str(e), str(e)
+    else:
+        raise AssertionError("one optimizer over two modules with the same parameter names was saved")
+
+
+def module_without_engine_is_refused(path: str, engine) -> None:
+    """The module a ZeRO-2 engine trains, without the engine (alone, or with the ZeRO optimizer): its
+    parameters are the working copies, not the fp32 values the optimizer trains, so a load into them
+    would be lost at the next step. Refused on every rank, naming the fix; the engine unchanged."""
+    before = full_values(engine)
+    for state in ({"model": engine.module}, {"model": engine.module, "optimizer": engine.optimizer}):
+        for op in (lambda state: bcp.save(path + "_module", state), lambda state: bcp.load(path, state)):
+            try:
+                op(state)
+            except bcp.BCPError as e:
+                assert "pass the DeepSpeed engine" in str(e), str(e)
+            else:
+                raise AssertionError(f"a ZeRO-2 model without its engine was saved or loaded: {sorted(state)}")
+    check_equal(full_values(engine), before, "after the refused loads")
 
 
 def shape_mismatch_is_refused(path: str) -> None:
