@@ -377,7 +377,8 @@ def main() -> None:
     parser.add_argument("--root", required=True)
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
-    {"matrix": matrix, "reshard": reshard, "continue": continue_on_one, "megatron": from_megatron}[args.phase](args.root)
+    phases = {"matrix": matrix, "reshard": reshard, "continue": continue_on_one, "megatron": from_megatron}
+    phases[args.phase](args.root)
 
 
 if __name__ == "__main__":
