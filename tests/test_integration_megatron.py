@@ -625,3 +625,80 @@ def test_direct_entry_points_keep_objects_values_and_padded_shapes(tmp_path):
     assert torch.equal(out["emb"][:10], emb) and torch.equal(out["emb"][10:], torch.zeros(2, 4))
     assert isinstance(out["extra"], io.BytesIO) and out["extra"].getvalue() == b"\x00fp8"
     assert out["iteration"] == 42
+
+
+def test_failed_load_leaves_a_padded_tensor_as_it_was(tmp_path):
+    """allow_shape_mismatch zeroes what lies past the saved shape only once the load has succeeded: a
+    load that fails (here on a key the checkpoint lacks) leaves the target's values untouched."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    import bcp_integrations.megatron as bm
+    bm.save({"emb": ShardedTensor.from_rank_offsets("emb", expected("emb", (10, 4)), allow_shape_mismatch=True)},
+            str(tmp_path)).wait()
+    target = torch.full((12, 4), SENTINEL)
+    with pytest.raises(bcp.KeyMismatchError, match="missing_key"):
+        bm.load({"emb": ShardedTensor.from_rank_offsets("emb", target, allow_shape_mismatch=True),
+                 "other": ShardedTensor.from_rank_offsets("missing_key", torch.zeros(3))}, str(tmp_path))
+    assert torch.equal(target, torch.full((12, 4), SENTINEL))
+    # and a load that succeeds pads with zeros, also through a dtype cast (the checkpoint holds float32)
+    for dtype in (torch.float32, torch.float64):
+        target = torch.full((12, 4), SENTINEL, dtype=dtype)
+        bm.load({"emb": ShardedTensor.from_rank_offsets("emb", target, allow_shape_mismatch=True)}, str(tmp_path))
+        assert torch.equal(target[:10], expected("emb", (10, 4)).to(dtype)), dtype
+        assert torch.equal(target[10:], torch.zeros(2, 4, dtype=dtype)), dtype
+
+
+def test_a_box_or_object_requested_twice_on_a_rank_is_loaded_into_both(tmp_path):
+    """Two leaves asking for the same box of one key (or the same object shard) in other memory: the
+    box is read once and both get it; neither is left as it was (or None)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    import bcp_integrations.megatron as bm
+    bm.save({"w": ShardedTensor.from_rank_offsets("w", expected("w", (4, 2))),
+             "o": ShardedObject("o", {"x": 1}, (1,), (0,))}, str(tmp_path)).wait()
+    first, second = torch.full((4, 2), SENTINEL), torch.full((4, 2), SENTINEL, dtype=torch.float64)
+    tied = torch.full((4, 2), SENTINEL)
+    out = bm.load({"a": ShardedTensor.from_rank_offsets("w", first),
+                   "b": ShardedTensor.from_rank_offsets("w", second, replica_id=1),
+                   "tied": ShardedTensor.from_rank_offsets("w", tied[:, :], replica_id=1),
+                   "tied_again": ShardedTensor.from_rank_offsets("w", tied, replica_id=2),
+                   "o": ShardedObject("o", None, (1,), (0,)),
+                   "o_again": ShardedObject("o", None, (1,), (0,), replica_id=1)}, str(tmp_path))
+    assert torch.equal(first, expected("w", (4, 2))) and torch.equal(tied, expected("w", (4, 2)))
+    assert torch.equal(second, expected("w", (4, 2)).double())
+    assert out["o"] == out["o_again"] == {"x": 1}
+
+
+def test_a_checkpoint_of_another_key_layout_and_dtype_is_cast_into_place(tmp_path):
+    """A bf16 stacked request of an fp32 checkpoint saved per layer: read in the saved dtype, cast into
+    place, as a load in the same layout is."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    import bcp_integrations.megatron as bm
+    name = "decoder.layers.{}mlp.linear_fc2.weight"
+    whole = expected(name.format(""), (2, 3, 4))
+    bm.save({i: ShardedTensor.from_rank_offsets(name.format(f"{i}."), whole[i].clone()) for i in range(2)},
+            str(tmp_path)).wait()
+    target = torch.full((2, 3, 4), SENTINEL, dtype=torch.bfloat16)
+    bm.load({i: ShardedTensor.from_rank_offsets(name.format(""), target[i], (0, i, 2), prepend_axis_num=1)
+             for i in range(2)}, str(tmp_path))
+    assert torch.equal(target, whole.to(torch.bfloat16))
+
+
+def test_a_load_through_a_mapping_leaves_sharded_objects_their_own_values(tmp_path):
+    """docs/megatron.md: through a mapping only tensors are read; plain values and ShardedObjects (extra
+    state) keep the target's own (they came back None)."""
+    transformers = pytest.importorskip("transformers")
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    import bcp_integrations.megatron as bm
+    cfg = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False)
+    hf = transformers.LlamaForCausalLM(cfg)
+    bcp.save(str(tmp_path), {"model": hf}).wait()
+    embedding = torch.full((16, 8), SENTINEL)
+    out = bm.load({"embedding": ShardedTensor.from_rank_offsets("embedding.word_embeddings.weight", embedding),
+                   "extra": ShardedObject("decoder.layers.0.self_attention._extra_state", {"own": 1}, (1,), (0,)),
+                   "value": 5}, str(tmp_path), mapping=bcp.mapping.hf_to_megatron(cfg))
+    assert torch.equal(embedding, hf.model.embed_tokens.weight.detach())
+    assert out["extra"] == {"own": 1} and out["value"] == 5

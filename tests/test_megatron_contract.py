@@ -271,6 +271,43 @@ def _common_state_cases(rank, world, root) -> dict:
     return {"args": got["args"], "w": got["w"].tolist(), "common_args": common["args"]}
 
 
+def _async_queue_cases(rank, world, root) -> dict:
+    """An async bcp save on Megatron's AsyncCallsQueue, temporal and persistent, is done for the queue
+    once bcp has committed it: a non-blocking finalize made while its data are still being written
+    (held here until the finalize returned) finalizes nothing and returns; it used to wait in the
+    finalize function for the whole write, so Megatron-LM's finalize at every iteration made async
+    saves synchronous. A later finalize writes metadata.json."""
+    import threading
+
+    from megatron.core import dist_checkpointing as dc
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    from bcp_core.storage.faults import Fault, inject
+    out = {}
+    for persistent in (False, True):
+        name = f"async_queue_{'persistent' if persistent else 'temporal'}"
+        ckpt = _dir(root, name)
+        written = threading.Event()
+        held = inject(Fault("close", hook=lambda call: written.wait(10), path=f"*/{name}/data/*"))
+        try:
+            with megatron_releases.torch_dist_on_cpu():  # the queue's all-reduces go to the current device
+                queue = AsyncCallsQueue(persistent=persistent)
+                queue.schedule_async_request(dc.save(
+                    {"w": dc.ShardedTensor.from_rank_offsets("w", torch.full((4,), float(rank)), (0, rank, world))},
+                    ckpt, sharded_strategy=("bcp", 1), async_sharded_save=True))
+                early = queue.maybe_finalize_async_calls(blocking=False)
+                early_metadata_json = os.path.exists(os.path.join(ckpt, "metadata.json"))
+                written.set()
+                late = queue.maybe_finalize_async_calls(blocking=True)
+                queue.close()
+        finally:
+            written.set()
+            held.remove()
+        out[name] = {"early": early, "early_metadata_json": early_metadata_json, "late": late,
+                     "metadata_json": _written_format(ckpt)}
+    return out
+
+
 def _write_error_cases(rank, world, root) -> dict:
     """Last: from here on, rank 1's data writes fail (ENOSPC) in every save."""
     from megatron.core import dist_checkpointing as dc
@@ -308,7 +345,8 @@ def _written_format(ckpt: str) -> dict:
 def _format_cases(rank, world, root) -> dict:
     """Every way of asking dist_checkpointing for bcp writes bcp (0.17+ would swap in torch_dist),
     and each backend's checkpoint loads whatever strategy the caller passes (0.17+ Megatron-LM
-    passes torch_dist's, wrapped in the fully parallel wrapper with --ckpt-fully-parallel-load)."""
+    passes torch_dist's, wrapped in the fully parallel wrapper with --ckpt-fully-parallel-load; a
+    `("bcp", 1)` load failed on 0.17+, which call `.load` on it, and on 0.16 for torch_dist)."""
     from megatron.core import dist_checkpointing as dc
     from megatron.core.dist_checkpointing.strategies.fully_parallel import (FullyParallelLoadStrategyWrapper,
                                                                             FullyParallelSaveStrategyWrapper)
@@ -340,7 +378,8 @@ def _format_cases(rank, world, root) -> dict:
         ckpts["torch_dist"] = saved(TorchDistSaveShardedStrategy(backend="torch_dist", version=1), 4.0)
     out["torch_dist"] = _written_format(ckpts["torch_dist"])
 
-    loads = {"none": lambda: None, "bcp": BcpLoadShardedStrategy, "torch_dist": TorchDistLoadShardedStrategy,
+    loads = {"none": lambda: None, "bcp": BcpLoadShardedStrategy, "bcp_tuple": lambda: ("bcp", 1),
+             "torch_dist": TorchDistLoadShardedStrategy,
              "fully_parallel_torch_dist": lambda: FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy())}
     out["loads"] = {}
     for ckpt_name, value in (("object", 1.0), ("torch_dist", 4.0)):
@@ -360,7 +399,7 @@ def _contract(rank: int, world: int, root: str, release: str) -> dict:
     report = {}
     for name, case in (("strict", _strict_cases), ("metadata", _metadata_cases), ("shapes", _shape_cases),
                        ("saves", _save_cases), ("formats", _format_cases), ("common_state", _common_state_cases),
-                       ("write_error", _write_error_cases)):
+                       ("async_queue", _async_queue_cases), ("write_error", _write_error_cases)):
         try:
             report[name] = case(rank, world, root)
         except Exception:  # noqa: BLE001 - reported to the test that owns the case
@@ -481,7 +520,7 @@ def test_every_way_of_asking_for_bcp_writes_bcp_and_loads_route_by_the_checkpoin
             assert r[name] == {"backend": "bcp", "bcp": True, "torch_dist": False}, (rank, name, r)
         assert r["torch_dist"]["backend"] == "torch_dist" and r["torch_dist"]["torch_dist"], (rank, r)
         assert not r["torch_dist"]["bcp"]
-        assert all(r["loads"].values()) and len(r["loads"]) == 8, (rank, r["loads"])
+        assert all(r["loads"].values()) and len(r["loads"]) == 10, (rank, r["loads"])
 
 
 def test_common_state_loads_on_a_python_that_pickles_enum_members_through_getattr(reports):
@@ -490,6 +529,14 @@ def test_common_state_loads_on_a_python_that_pickles_enum_members_through_getatt
     for rank, r in enumerate(_case(reports, "common_state")):
         assert r["args"] == r["common_args"] == {"mode": PickledByGetattr.MODE, "layers": 2}, (rank, r)
         assert r["w"] == [float(rank)] * 2, (rank, r)
+
+
+def test_async_save_on_megatrons_queue_is_not_finalized_before_bcp_commits(reports):
+    for rank, r in enumerate(_case(reports, "async_queue")):
+        for name, got in r.items():
+            assert got["early"] == [] and not got["early_metadata_json"], (rank, name, got)
+            assert got["late"] == [0], (rank, name, got)
+            assert got["metadata_json"] == {"backend": "bcp", "bcp": True, "torch_dist": False}, (rank, name, got)
 
 
 def test_write_failure_on_one_rank_fails_the_save_on_every_rank_sync_and_async(reports):

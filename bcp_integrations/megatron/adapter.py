@@ -41,7 +41,7 @@ from bcp_core.shards import Box, ObjectShard, ShardedView, range_boxes
 from bcp_core.storage import storage_for
 from bcp_core.utils import this_rank
 
-from .layouts import saved_tensors, to_saved_layout
+from .layouts import saved_dtypes, saved_tensors, to_saved_layout
 
 # io.BytesIO (Transformer Engine's `_extra_state`) has no place in bcp's safe codec; it travels as
 # bytes inside this one-key dict and is turned back into a BytesIO on load.
@@ -171,17 +171,23 @@ class _Keys:
         self.boxes.setdefault(key, []).append(box)
 
     def views(self) -> dict[str, ShardedView]:
-        """One ShardedView per tensor key; a box held twice (shared or tied weights listed twice) once."""
+        """One ShardedView per tensor key; a box held twice (shared or tied weights listed twice) once.
+        A second holder that is other memory is in `repeats`, with the box kept for it."""
         out = {}
+        self.repeats: list[tuple[torch.Tensor, torch.Tensor]] = []  # (kept view, other view)
         for key, boxes in self.boxes.items():
             gshape, dtype = self.what[key]
-            unique, seen = [], set()
+            unique: dict[tuple, Box] = {}
             for b in boxes:
-                if (b.offsets, b.lengths) not in seen:
-                    seen.add((b.offsets, b.lengths))
-                    unique.append(b)
-            out[key] = ShardedView(gshape, dtype, unique)
+                kept = unique.setdefault((b.offsets, b.lengths), b)
+                if kept is not b and not _same_memory(kept.view, b.view):
+                    self.repeats.append((kept.view, b.view))
+            out[key] = ShardedView(gshape, dtype, list(unique.values()))
         return out
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.dtype == b.dtype
 
 
 # ----------------------------------------------------------------------------- save
@@ -217,20 +223,37 @@ def save_state(sharded_state_dict: dict) -> dict:
 
 @dataclass
 class LoadPlan:
-    """The bcp state to load into, and how to rebuild Megatron's loaded state dict from it."""
+    """The bcp state to load into, and how to rebuild Megatron's loaded state dict from it.
+
+    What goes into the caller's tensors besides the load's own in-place reads (casts, zeros past a
+    smaller saved shape, boxes requested twice) happens in `result`, once the load has succeeded:
+    a failed load leaves them as they were."""
 
     state: dict
     tensors: dict[Path, torch.Tensor] = field(default_factory=dict)
     objects: dict[Path, tuple[str, ObjectShard]] = field(default_factory=dict)
     values: dict[Path, str] = field(default_factory=dict)   # plain values, by their bcp key
     casts: dict[Path, torch.Tensor] = field(default_factory=dict)  # read in the saved dtype, cast on result
+    # allow_shape_mismatch: the local lengths read from the checkpoint (None: nothing); the rest is zeroed
+    clipped: dict[Path, tuple[int, ...] | None] = field(default_factory=dict)
+    repeats: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (read, copied into)
 
     def result(self, sharded_state_dict: dict) -> dict:
         """The sharded state dict with each leaf replaced by what was loaded for it."""
+        for read, other in self.repeats:
+            other.copy_(read)
+        for path, buffer in self.casts.items():
+            self.tensors[path].copy_(buffer)
+        for path, lengths in self.clipped.items():
+            data = self.tensors[path]
+            if lengths is None:
+                data.zero_()
+                continue
+            for d, n in enumerate(lengths):
+                data.narrow(d, n, data.shape[d] - n).zero_()
+
         def fill(path, v):
             if isinstance(v, ShardedTensor):
-                if path in self.casts:
-                    self.tensors[path].copy_(self.casts[path])
                 return self.tensors[path]
             if isinstance(v, ShardedObject):
                 return _decode_object(self.objects[path][1].value)
@@ -269,29 +292,34 @@ def load_state(sharded_state_dict: dict, saved_shapes: dict[str, tuple] | None =
                 if saved_shapes is None or v.key not in saved_shapes:
                     raise BCPError(f"ShardedTensor {v.key!r} allows a shape mismatch but its saved shape "
                                    "is unknown")
-                gshape, box = _clip(box, saved_shapes[v.key], data)
+                gshape, box = _clip(box, saved_shapes[v.key])
+                plan.clipped[path] = box.lengths[v.prepend_axis_num:] if box is not None else None
                 if box is None:
                     continue
             keys.box(v.key, gshape, dtype, box, path)
         elif isinstance(v, ShardedObject):
             keys.claim(v.unique_key, ("object",), path)
-            shard = ObjectShard(None, tuple(v.global_offset), tuple(v.global_shape))
-            plan.state[v.unique_key] = shard
+            # the same shard asked for twice on this rank is read once, for both. Its value is the
+            # target's own until the load hands over the saved one (a load through a mapping reads
+            # no objects: they keep their own)
+            shard = plan.state.setdefault(v.unique_key, ObjectShard(v.data, tuple(v.global_offset),
+                                                                    tuple(v.global_shape)))
             plan.objects[path] = (v.unique_key, shard)
         else:
             key = ".".join(map(str, path))
             plan.state[key] = v
             plan.values[path] = key
     plan.state.update(keys.views())
+    plan.repeats = keys.repeats
     return plan
 
 
-def _clip(box: Box, saved_shape: tuple, data: torch.Tensor):
-    """For allow_shape_mismatch: the box restricted to the saved tensor (data zeroed outside it)."""
+def _clip(box: Box, saved_shape: tuple):
+    """For allow_shape_mismatch: the box restricted to the saved tensor (`LoadPlan.result` zeroes the
+    rest of the data once the load has succeeded)."""
     if len(saved_shape) != len(box.offsets):
         raise ShapeMismatchError(f"saved tensor has {len(saved_shape)} dims, the target has "
                                  f"{len(box.offsets)}")
-    data.zero_()
     offs, lens, view = [], [], box.view
     for d, (o, n, g) in enumerate(zip(box.offsets, box.lengths, saved_shape)):
         n = min(n, g - o)
@@ -374,8 +402,8 @@ def load(sharded_state_dict: dict, path: str, *, mapping=None, **kwargs) -> dict
         if m is not None:
             mapped = m.bind(md, storage_for(str(path)))
             md = mapped.metadata
-    saved = saved_tensors({v.key for _, v in iter_leaves(built) if isinstance(v, ShardedTensor)}, md)
-    plan = load_state(built, {k: tm.shape for k, tm in saved.items()}, {k: tm.dtype for k, tm in saved.items()})
+    keys = {v.key for _, v in iter_leaves(built) if isinstance(v, ShardedTensor)}
+    plan = load_state(built, {k: tm.shape for k, tm in saved_tensors(keys, md).items()}, saved_dtypes(keys, md))
     state = plan.state
     if mapped is not None:  # only tensors come through a mapping; the rest stays the target's
         state = {k: v for k, v in plan.state.items() if isinstance(v, ShardedView)}

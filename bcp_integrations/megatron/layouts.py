@@ -99,6 +99,22 @@ def saved_tensors(keys, md: CheckpointMetadata) -> dict[str, TensorMeta]:
     return out
 
 
+def saved_dtypes(keys, md: CheckpointMetadata) -> dict[str, torch.dtype]:
+    """The saved dtype of each requested key in `keys`: its own tensor's (`saved_tensors`), or, for a key
+    the checkpoint holds only under the names of another layout (`to_saved_layout`), theirs where they
+    agree. A load reads in the saved dtype and casts into place (adapter.load_state)."""
+    by_name: dict[str, set] = {}
+    for key, tm in md.tensors.items():
+        by_name.setdefault(parse(key).canon, set()).add(tm.dtype)
+    out = {}
+    for key in keys:
+        dtypes = by_name.get(parse(key).canon, set())
+        if len(dtypes) == 1:
+            out[key] = next(iter(dtypes))
+    out.update((key, tm.dtype) for key, tm in saved_tensors(keys, md).items() if key in keys)
+    return out
+
+
 def to_saved_layout(state: dict[str, Any], md: CheckpointMetadata) -> dict[str, Any]:
     """`state` (flat bcp state of a Megatron load: ShardedViews, ObjectShards, values) with every key the
     checkpoint `md` lacks but holds in another layout moved there (module doc)."""

@@ -46,8 +46,8 @@ from bcp_core.tiers import locate
 from bcp_core.utils import this_rank
 
 from .adapter import build_factories, iter_leaves, load_state, merge_factories, save_state
-from .layouts import saved_tensors, to_saved_layout
-from .strategy import COMMON_STATE_KEY, _async_request, _translated, common_state_bytes
+from .layouts import saved_dtypes, saved_tensors, to_saved_layout
+from .strategy import COMMON_STATE_KEY, CommitWait, _async_request, _translated, common_state_bytes
 
 _state: dict = {"tiers": None, "enabled": False}
 
@@ -175,7 +175,7 @@ class TieredLocalCheckpoints:
         if not is_async:
             _translated("save", where, handle.wait)
             return None
-        return _async_request([lambda: _translated("save", where, handle.wait)], None)
+        return _async_request(CommitWait(handle, where), None)
 
     def find_latest(self) -> int:
         """The newest iteration whose every piece survives (collective), or -1."""
@@ -210,8 +210,8 @@ def _load(sharded_state_dict: dict, located) -> dict:
     """Load the located step into a Megatron sharded state dict (`adapter.load`, from a tiered step)."""
     built, factories = build_factories(sharded_state_dict)
     md = located.metadata
-    saved = saved_tensors({v.key for _, v in iter_leaves(built) if isinstance(v, ShardedTensor)}, md)
-    plan = load_state(built, {k: tm.shape for k, tm in saved.items()}, {k: tm.dtype for k, tm in saved.items()})
+    keys = {v.key for _, v in iter_leaves(built) if isinstance(v, ShardedTensor)}
+    plan = load_state(built, {k: tm.shape for k, tm in saved_tensors(keys, md).items()}, saved_dtypes(keys, md))
     state = to_saved_layout(plan.state, md)
     _translated("load", located.path, located.load, state, framework="megatron")
     return merge_factories(plan.result(built), factories)

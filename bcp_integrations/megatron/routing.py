@@ -23,6 +23,9 @@ so that on every release:
   members pickled by value, so that Megatron's own torch.load(weights_only=True) reads it whichever
   Python wrote it), atomically; Megatron's loads read it unchanged. torch_dist saves are left alone.
 
+Megatron's `AsyncCallsQueue` watches a bcp save's async request by bcp's commit (`strategy.CommitCaller`):
+it has no writer process for the queue to watch.
+
 Any other strategy passes through untouched. `check_api()` fails at import, naming what is missing,
 when a Megatron release lacks what this relies on.
 """
@@ -39,6 +42,7 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import serialization
 from megatron.core.dist_checkpointing.core import CheckpointingException, maybe_load_config
+from megatron.core.dist_checkpointing.strategies import async_utils
 from megatron.core.dist_checkpointing.strategies import common as megatron_common
 from megatron.core.dist_checkpointing.strategies import fully_parallel
 from megatron.core.dist_checkpointing.strategies import torch as megatron_torch
@@ -47,8 +51,8 @@ from bcp_core.errors import UnsupportedFrameworkError
 from bcp_core.storage import storage_for
 
 from . import megatron_lm
-from .strategy import (BACKEND, VERSION, BcpLoadShardedStrategy, BcpSaveShardedStrategy, common_state_bytes,
-                       read_common_state)
+from .strategy import (BACKEND, VERSION, BcpLoadShardedStrategy, BcpSaveShardedStrategy, CommitCaller, CommitWait,
+                       common_state_bytes, read_common_state)
 
 SUPPORTED = "megatron-core 0.16 to 0.19"
 _LOADS = ("load", "load_tensors_metadata", "load_sharded_metadata")
@@ -117,6 +121,9 @@ def save_strategy_for(strategy):
 
 def load_strategy_for(checkpoint_dir, strategy):
     """The strategy a load of `checkpoint_dir` should be given for `strategy`."""
+    if isinstance(strategy, (tuple, list)) and len(strategy) > 0 and strategy[0] == BACKEND:
+        # ("bcp", 1), as saves name it: 0.16 looked it up in its registry, 0.17+ would call .load on the tuple
+        strategy = BcpLoadShardedStrategy()
     config = maybe_load_config(str(checkpoint_dir))
     if config is None:
         return strategy  # not a dist checkpoint: Megatron's own error names it
@@ -228,6 +235,20 @@ def _routed_common_save(original):
     return save_common
 
 
+def _routed_schedule(original):
+    """`AsyncCallsQueue.schedule_async_request`: a bcp save's request is watched by a `CommitCaller`
+    (done once bcp's commit is), in place of the caller the queue made for it, which watches a
+    process the request does not have."""
+    @functools.wraps(original)
+    def schedule_async_request(self, async_request):
+        call_idx = original(self, async_request)
+        commit = next((fn for fn in async_request.finalize_fns if isinstance(fn, CommitWait)), None)
+        if commit is not None and self.async_calls and self.async_calls[-1].idx == call_idx:
+            self.async_calls[-1] = self.async_calls[-1]._replace(async_caller=CommitCaller(commit.handle))
+        return call_idx
+    return schedule_async_request
+
+
 def _wrap(owner, name: str, wrap) -> None:
     original = getattr(owner, name)
     if getattr(original, _ROUTED, False):
@@ -245,6 +266,7 @@ def install() -> None:
     for name, wrap in (("save", _routed_save), *((n, _routed_load) for n in _LOADS),
                        ("load_common_state_dict", _routed_common_state)):
         _wrap(serialization, name, wrap)
+    _wrap(async_utils.AsyncCallsQueue, "schedule_async_request", _routed_schedule)
     if hasattr(serialization, "save_common"):  # 0.17, 0.18 (0.19 writes no common.pt)
         _wrap(serialization, "save_common", _routed_common_save)
     elif hasattr(megatron_common, "TorchCommonSaveStrategy"):  # 0.16

@@ -127,9 +127,41 @@ def read_common_state(checkpoint_dir) -> dict:
     return torch.load(io.BytesIO(loaded), weights_only=True)
 
 
-def _async_request(finalize_fns: list, async_strategy: str | None):
+class CommitWait:
+    """The finalize function of a bcp save's async request: waits for bcp's commit of `handle`, a
+    failure raised as BcpCheckpointingException naming `where`. `CommitCaller` tells Megatron's
+    queue when it has nothing left to wait for."""
+
+    def __init__(self, handle: bcp.SaveHandle, where):
+        self.handle, self.where = handle, where
+
+    def __call__(self) -> None:
+        _translated("save", self.where, self.handle.wait)
+
+
+class CommitCaller(async_utils.TemporalAsyncCaller):
+    """What Megatron's `AsyncCallsQueue` asks whether a bcp request is done (routing puts it in place
+    of the caller the queue made): once bcp has committed or failed the save on every rank, agreed
+    by Megatron's own all-reduce. A request carries no process for the queue to watch (bcp writes in
+    its own thread), so without this the queue took it as done at once, and its next non-blocking
+    `maybe_finalize_async_calls` (Megatron-LM makes one every iteration) waited in the finalize
+    function for the whole write: the save was asynchronous for the call only."""
+
+    def __init__(self, handle: bcp.SaveHandle):
+        super().__init__()
+        self.handle = handle
+
+    def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
+        if blocking:
+            return True  # the finalize function waits for the commit (bounded by the save's timeout)
+        pending = int(not self.handle.done())
+        return not pending if no_dist else bool(self.sync_all_async_calls(pending))
+
+
+def _async_request(commit: CommitWait, async_strategy: str | None):
     """A request with no `async_fn`, of the class the caller's queue takes (Megatron's own, or
-    NVIDIA Resiliency Extension's for `async_strategy="nvrx"` where it is installed)."""
+    NVIDIA Resiliency Extension's for `async_strategy="nvrx"` where it is installed), finalized by
+    `commit`."""
     get_async_strategy = getattr(megatron_torch, "get_async_strategy", None)  # 0.17+
     if get_async_strategy is not None and async_strategy is not None:
         try:
@@ -138,7 +170,7 @@ def _async_request(finalize_fns: list, async_strategy: str | None):
             request_cls = async_utils.AsyncRequest
     else:
         request_cls = async_utils.AsyncRequest
-    return request_cls(None, (), finalize_fns)
+    return request_cls(None, (), [commit])
 
 
 class BcpSaveShardedStrategy(megatron_torch.TorchDistSaveShardedStrategy):
@@ -178,11 +210,12 @@ class BcpSaveShardedStrategy(megatron_torch.TorchDistSaveShardedStrategy):
         Megatron runs `async_fn` in a forked or spawned process, which cannot see bcp's writer
         thread or join its planning collectives; so the request has no `async_fn`, and its
         finalize function — run by Megatron on every rank once the request is done — waits for
-        the bcp commit before Megatron writes `metadata.json`. `async_strategy` ("mcore", "nvrx")
-        only chooses the request's class.
+        the bcp commit before Megatron writes `metadata.json`. Megatron's `AsyncCallsQueue` takes
+        the request as done once bcp's commit is (`CommitCaller`). `async_strategy` ("mcore",
+        "nvrx") only chooses the request's class.
         """
         handle = _translated("save", checkpoint_dir, self._save, sharded_state_dict, checkpoint_dir, True)
-        return _async_request([lambda: _translated("save", checkpoint_dir, handle.wait)], async_strategy)
+        return _async_request(CommitWait(handle, checkpoint_dir), async_strategy)
 
     def __str__(self) -> str:
         return f"{type(self).__name__}({BACKEND}, {VERSION})"
