@@ -49,6 +49,7 @@ class Preemption:
         self._boundary = 0               # stop_requested() calls so far
         self._stop_at: int | None = None
         self._stopped = False            # stop_requested() answered True
+        self._logged = False             # the signal was logged (by the loop's side, not the handler)
         self._previous: dict[int, object] = {}
         for s in self.signals:
             self._previous[s] = signal.signal(s, self._on_signal)
@@ -56,11 +57,17 @@ class Preemption:
     # -- the handler ---------------------------------------------------------------------------
 
     def _on_signal(self, signum, frame) -> None:
-        first = self.signum is None
-        if first:
+        # The handler runs between two bytecodes of whatever the main thread was doing, maybe inside
+        # a lock it holds (a logging handler's, a queue's, sys.stderr's): logging here could wait on
+        # that lock for ever. So the signal is recorded, told on the standard error's descriptor (a
+        # system call, no lock), and logged by stop_requested().
+        if self.signum is None:
             self.signum = signum
-            log.warning("bcp: received %s: a final checkpoint will be taken at the next step boundary",
-                        signal.Signals(signum).name)
+            try:
+                os.write(2, f"bcp: received {signal.Signals(signum).name}: a final checkpoint will be taken at "
+                            "the next step boundary\n".encode())
+            except OSError:
+                pass
         previous = self._previous.get(signum)
         if callable(previous):  # chain: another library's handler (Lightning's) still runs
             previous(signum, frame)
@@ -86,6 +93,11 @@ class Preemption:
             else:
                 agreed = comm.peek("stop_at")
                 self._stop_at = int(agreed) if agreed is not None else None
+        if self._stop_at is not None and not self._logged:
+            self._logged = True
+            log.warning("bcp: %s: the ranks stop at step boundary %d for a final checkpoint",
+                        f"this rank received {signal.Signals(self.signum).name}" if self.signum is not None
+                        else "another rank was signalled", self._stop_at)
         if self._stop_at is not None and self._boundary > self._stop_at:
             raise BCPError(f"preemption: rank {comm.rank} is at step boundary {self._boundary}, past boundary "
                            f"{self._stop_at} where the ranks agreed to stop: the ranks are not in lockstep "

@@ -8,9 +8,12 @@ uninterrupted one.
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from .errors import BCPError
 
 
 def rng_state() -> dict[str, Any]:
@@ -26,13 +29,34 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(_as_tuples(state["python"]))
+    """Set the generators from a state `rng_state` gave. Every part is checked first, on a generator
+    of its own: a malformed state raises BCPError naming the part and sets none of them."""
+    if not isinstance(state, Mapping) or "torch" not in state or "python" not in state:
+        raise BCPError(f"an RNG state needs the parts 'torch' and 'python'; got "
+                       f"{sorted(state) if isinstance(state, Mapping) else type(state).__name__}")
+    python = _as_tuples(state["python"])
+    _check("torch", lambda: torch.Generator().set_state(state["torch"]))
+    _check("python", lambda: random.Random().setstate(python))
     if "numpy" in state:
         import numpy as np
+        _check("numpy", lambda: np.random.RandomState().set_state(state["numpy"]))
+    cuda = state.get("cuda")
+    if cuda is not None and not (isinstance(cuda, (list, tuple)) and all(
+            isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 for t in cuda)):
+        raise BCPError("the RNG state's 'cuda' part is not a list of uint8 tensors (one per device)")
+    torch.set_rng_state(state["torch"])
+    random.setstate(python)
+    if "numpy" in state:
         np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _check(part: str, set_on_a_copy) -> None:
+    try:
+        set_on_a_copy()
+    except Exception as e:  # noqa: BLE001 - each library raises its own kind (TypeError, ValueError, ...)
+        raise BCPError(f"the RNG state's {part!r} part is malformed: {type(e).__name__}: {e}") from None
 
 
 def _as_tuples(v):

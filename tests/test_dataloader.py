@@ -385,3 +385,201 @@ def test_next_epoch_covers_the_corpus_again_in_another_order():
     assert loader.epoch == 1
     _assert_same_tokens(Counter(real(second)), ALL_TOKENS, "epoch 1")
     assert real(first) != real(second)
+
+
+# ----------------------------------------------------------------------------- damaged and crafted states
+
+def _saved_with_model(tmp_path, edit_unit=None, edit_rank=None, workers=0):
+    """A loader state (edited) saved beside a model; a fresh model and loader to load it into."""
+    from torch import nn
+    loader = make(0, 1, workers)
+    drain(loader, 3)
+    sd = loader.state_dict()
+    loader.close()
+    if edit_unit is not None:
+        sd["units"]["0"] = ObjectShard(edit_unit(dict(sd["units"]["0"].value)), (0,), (1,))
+    if edit_rank is not None:
+        sd["rank"] = ObjectShard(edit_rank(dict(sd["rank"].value)), (0,), (1,))
+    path = str(tmp_path / "ck")
+    torch.manual_seed(0)
+    bcp.save(path, {"model": nn.Linear(4, 4), "dataloader": sd}).wait()
+    torch.manual_seed(1)
+    return path, nn.Linear(4, 4), make(0, 1, workers)
+
+
+@pytest.mark.parametrize("damage", ["2-D buffer", "document twice", "document out of range", "rank state"])
+def test_a_malformed_unit_fails_the_load_before_anything_changes(tmp_path, damage):
+    """Units restored as they were saved (same layout) are checked while the load reads, like split
+    and merged ones: before, a malformed unit failed only when the loader adopted it, after the
+    model had been loaded, and a document named twice was delivered twice."""
+    web = lambda u, ranges: {**u, "docs": {**u["docs"], "web": ranges}}  # noqa: E731
+    edits = {
+        "2-D buffer": ({"edit_unit": lambda u: {**u, "buffer": np.zeros((2, 2), dtype=np.int32)}}, "1-D integer"),
+        "document twice": ({"edit_unit": lambda u: web(u, u["docs"]["web"] + [[5, 9, 1]])}, "more than once"),
+        "document out of range": ({"edit_unit": lambda u: web(u, [[0, 31, 1]])}, "beyond its 30 documents"),
+        "rank state": ({"edit_rank": lambda r: {**r, "next_worker": "x"}}, "malformed rank state"),
+    }
+    kw, message = edits[damage]
+    path, model, loader = _saved_with_model(tmp_path, **kw)
+    before, position = {k: v.clone() for k, v in model.state_dict().items()}, drain(make(0, 1), 2)
+    with pytest.raises(LoaderStateError, match=message):
+        bcp.load(path, {"model": model, "dataloader": loader})
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert drain(loader, 2) == position  # the loader still at its start
+
+
+@pytest.mark.parametrize("layout, message", [
+    ({"units_per_rank": 1}, r"layout \(dp_size=1, units_per_rank=1\) does not match the units saved"),
+    ({"dp_size": 0}, r"layout \(dp_size=0, units_per_rank=2\) does not match"),
+    ({"dp_size": 3}, r"read unit 0 was saved at indices \[\(0,\)\] of grid \[1\], but the layout says dp_size=3"),
+])
+def test_a_layout_that_does_not_match_the_saved_units_is_refused(tmp_path, layout, message):
+    """The layout (a replicated value) must name exactly the units saved: before, units_per_rank=1
+    over two saved workers loaded worker 0's unit alone (worker 1's documents were never delivered),
+    dp_size=0 raised an IndexError, and a huge one hung in the loop over saved units."""
+    import json
+
+    from bcp_core.metadata import METADATA_FILE
+    loader = make(0, 1, 2)
+    drain(loader, 2)
+    path = str(tmp_path / "ck")
+    bcp.save(path, {"dataloader": loader}).wait()
+    loader.close()
+    with open(os.path.join(path, METADATA_FILE)) as f:
+        raw = json.load(f)
+    for key, value in layout.items():
+        raw["objects"][f"dataloader.layout.{key}"] = value
+    with open(os.path.join(path, METADATA_FILE), "w") as f:
+        json.dump(raw, f)
+    with pytest.raises(LoaderStateError, match=message):
+        bcp.load(path, {"dataloader": make(0, 1)})
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_saved_after_the_last_batch_ends_the_resumed_loop_first(workers):
+    """Saved after the epoch's last batch, before the loop's next call ended the epoch: the resumed
+    loop ends at once, as the interrupted one would have, and the next epoch is the uninterrupted
+    run's next epoch. Before, the resumed loop went straight into the next epoch (one epoch ahead)."""
+    loader, reference = make(0, 1, workers), make(0, 1, workers)
+    try:
+        n = len(drain(reference))
+        it = iter(loader)
+        for _ in range(n):
+            next(it)
+        resumed = make(0, 1, workers)
+        resumed.load_state_dict(loader.state_dict())
+        try:
+            assert next(it, None) is None and drain(resumed) == []
+            assert drain(resumed) == drain(reference) and resumed.epoch == 1
+        finally:
+            resumed.close()
+    finally:
+        loader.close()
+        reference.close()
+
+
+# ----------------------------------------------------------------------------- read workers
+
+class _Unreadable(list):
+    """Documents of which one cannot be read."""
+
+    def __getitem__(self, i):
+        if i == 3:
+            raise IndexError("document 3 is unreadable")
+        return list.__getitem__(self, i)
+
+
+def test_a_failed_read_worker_is_reported_to_a_state_request_at_once():
+    """A worker failing while its batch queue is full (the loop trains, then asks for the state):
+    the state request raises the worker's error. Before, the error waited behind the full queue and
+    the request ran into its timeout, then reported a silent worker."""
+    import time
+    loader = PackedTokenLoader({"web": _Unreadable([list(range(d * 100, d * 100 + 7)) for d in range(20)])}, 4, 2,
+                               num_workers=1, prefetch_factor=1, shuffle=False, timeout=20)
+    try:
+        next(iter(loader))
+        deadline = time.monotonic() + 10
+        while loader._pool._error is None and time.monotonic() < deadline:  # the worker reaches document 3
+            time.sleep(0.05)
+        with pytest.raises(bcp.errors.ReadWorkerError, match="document 3 is unreadable"):
+            loader.state_dict()
+    finally:
+        with pytest.raises(bcp.errors.ReadWorkerError):
+            loader.close()
+
+
+def test_read_workers_outlive_sigterm_so_a_preempted_job_can_save_their_state():
+    """SLURM signals every process of a job step at preemption, the read workers too: they keep
+    their units' states, which the training process saves. Before, they died and the save failed."""
+    import signal
+    import time
+    loader = make(0, 1, 2)
+    try:
+        expected = drain(make(0, 1, 2), 4)
+        assert drain(loader, 2) == expected[:2]
+        for p in loader._pool.procs:
+            os.kill(p.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        sd = loader.state_dict()
+        assert drain(loader, 2) == expected[2:]
+        again = make(0, 1, 2)
+        again.load_state_dict(sd)
+        assert drain(again, 2) == expected[2:]
+        again.close()
+    finally:
+        loader.close()
+
+
+_EXITING_SCRIPT = """
+import os, signal, sys
+from bcp_core.dataloader import PackedTokenLoader
+LOADER = PackedTokenLoader({"web": [list(range(d * 100, d * 100 + 7)) for d in range(200)]}, 4, 2, num_workers=2)
+for i, _ in enumerate(LOADER):
+    if i == 2:
+        break
+print(*(p.pid for p in LOADER._pool.procs), flush=True)
+if sys.argv[1] == "killed":
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("end", ["exits", "killed"])
+def test_a_process_with_read_workers_ends_and_so_do_they(tmp_path, end):
+    """A script that ends with its loader's workers running (a module-level loader, never closed)
+    exits, and the workers end with it; a training process killed outright leaves no workers
+    behind either. Before, the exit hung for good in the loader's __del__ (a queue starting its
+    thread during interpreter finalization), and the workers of a killed process ran on forever."""
+    import subprocess
+    import sys
+    import time
+    script = tmp_path / "script.py"
+    script.write_text(_EXITING_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    with open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen([sys.executable, str(script), end], stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                env=env)
+    workers = [int(pid) for pid in proc.stdout.readline().split()]  # not to EOF: the workers hold the pipe
+    try:
+        code = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = "still running after 60 s"
+    assert len(workers) == 2, (tmp_path / "stderr").read_text()[-3000:]
+    deadline = time.monotonic() + 30
+    while any(map(_running, workers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in workers if _running(pid)]
+    for pid in left:
+        os.kill(pid, 9)
+    proc.stdout.close()
+    assert code == (0 if end == "exits" else -9), (tmp_path / "stderr").read_text()[-3000:]
+    assert not left, f"read workers {left} outlived their process"

@@ -10,9 +10,11 @@ names the checkpoint and the rank.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
+import threading
 
 import pytest
 import torch
@@ -146,3 +148,46 @@ def test_preemption_checkpoints_at_the_step_reached_and_resumes_exactly(tmp_path
     for i, s in uninterrupted["optimizer"].items():
         for name, v in s.items():
             assert torch.equal(v, final["optimizer"][i][name]), (i, name)
+
+
+class _PlainLockHandler(logging.Handler):
+    """A logging handler serialised by a plain (non-reentrant) lock, as a QueueHandler's queue.Queue
+    is; it receives SIGTERM while it holds the lock, as a process may at any moment."""
+
+    def __init__(self):
+        super().__init__()
+        self.plain, self.stuck, self.messages = threading.Lock(), False, []
+
+    def emit(self, record):
+        if not self.plain.acquire(timeout=2):  # a QueueHandler would wait here for ever
+            self.stuck = True
+            return
+        try:
+            self.messages.append(record.getMessage())
+            if record.getMessage() == "about to be preempted":
+                os.kill(os.getpid(), signal.SIGTERM)
+                sum(range(1000))  # Python runs the signal handler between these bytecodes
+        finally:
+            self.plain.release()
+
+
+def test_the_preemption_handler_takes_no_lock_the_interrupted_code_may_hold():
+    """The SIGTERM handler records the signal and writes a line to the standard error's descriptor;
+    the loop's next stop_requested() logs it. Before, the handler logged: a signal arriving while the
+    main thread held a logging handler's lock deadlocked (here: the handler's emit found its own lock
+    taken)."""
+    log, handler = logging.getLogger("bcp"), _PlainLockHandler()
+    log.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.INFO)
+    preemption = bcp.handle_preemption()
+    try:
+        log.warning("about to be preempted")
+        assert preemption.signum == signal.SIGTERM and not handler.stuck
+        assert handler.messages == ["about to be preempted"]
+        assert preemption.stop_requested()
+        assert any("this rank received SIGTERM" in m for m in handler.messages[1:]), handler.messages
+    finally:
+        preemption.close()
+        log.removeHandler(handler)
+        log.setLevel(level)

@@ -234,6 +234,7 @@ class PackedTokenLoader(ReshardableLoader):
         # (worker, its unit before the batch when in-process) of the last batches yielded this epoch,
         # to give the state as of before batches a framework fetched ahead (state_dict(unconsumed=k))
         self._recent: deque = deque(maxlen=_MAX_UNCONSUMED)
+        self._ended = False  # the epoch's end was signalled (StopIteration): iterating starts the next
         self._start_epoch(0)
 
     # -- iteration
@@ -249,14 +250,26 @@ class PackedTokenLoader(ReshardableLoader):
         self._units = [self._packer.fresh(epoch, first + w, n) for w in range(self.units_per_rank)]
         self._next_worker = 0
         self._recent.clear()
+        self._ended = False
 
     def __iter__(self):
-        """Continue the current epoch, or start the next one if it is over."""
-        if self._pool is None and all(u.exhausted for u in self._units):
+        """Continue the current epoch, or start the next one once it has ended (StopIteration).
+
+        An epoch whose last batch was delivered but whose end was not signalled yet ends first: a
+        state saved right after the last batch resumes into a loop that ends at once, as the
+        interrupted loop's next call would have."""
+        if self._ended:
             self._start_epoch(self._epoch + 1)
         return self
 
     def __next__(self) -> torch.Tensor:
+        try:
+            return self._next_batch()
+        except StopIteration:
+            self._ended = True
+            raise
+
+    def _next_batch(self) -> torch.Tensor:
         if self.num_workers == 0:
             before = self._units[0]
             step = self._packer.next_batch(before)
@@ -365,19 +378,20 @@ class PackedTokenLoader(ReshardableLoader):
 
     def loader_unit_states(self, unconsumed: int = 0) -> tuple[Any, list]:
         if unconsumed == 0:
-            return {"next_worker": self._next_worker}, [self._encode(u) for u in self._current_units()]
+            return ({"next_worker": self._next_worker, "ended": self._ended},
+                    [self._encode(u) for u in self._current_units()])
         if not 0 < unconsumed <= len(self._recent):
             raise LoaderStateError(f"PackedTokenLoader can give its state as of at most {len(self._recent)} "
                                    f"batches back here (asked for {unconsumed}; it keeps {_MAX_UNCONSUMED} within "
                                    "an epoch while its read workers run)")
         back = list(self._recent)[-unconsumed:]
         if self.num_workers == 0:
-            return {"next_worker": 0}, [self._encode(back[0][1])]
+            return {"next_worker": 0, "ended": False}, [self._encode(back[0][1])]
         counts = list(self._pool.consumed)
         for w, _ in back:
             counts[w] -= 1
         units = self._current_units(counts)
-        return {"next_worker": back[0][0]}, [self._encode(u) for u in units]
+        return {"next_worker": back[0][0], "ended": False}, [self._encode(u) for u in units]
 
     def split_unit_state(self, unit: Any, lo: Fraction, hi: Fraction) -> Any:
         u = self._decode(unit)
@@ -405,7 +419,10 @@ class PackedTokenLoader(ReshardableLoader):
         return self._encode(_Unit(epochs[0], docs, buffer, 0, 0))
 
     def loader_check(self, replicated: dict) -> None:
-        saved_sources = [tuple(x) for x in replicated.get("sources", [])]
+        try:
+            saved_sources = [tuple(x) for x in replicated.get("sources", [])]
+        except TypeError:
+            raise LoaderStateError(f"malformed sources {replicated.get('sources')!r} in a saved loader state") from None
         mine = [(n, c) for n, c in zip(self.names, self._packer.counts)]
         if saved_sources != mine:
             raise LoaderStateError(f"the checkpoint's loader read sources {saved_sources} (name, documents); this "
@@ -417,11 +434,21 @@ class PackedTokenLoader(ReshardableLoader):
                                        f"{getattr(self, key)!r}; the remaining documents are positions in the saved "
                                        "shuffle, so it must match")
 
-    def loader_restore(self, replicated: dict, rank_state: Any, units: list, resharded: bool) -> None:
-        decoded = [self._decode(u) for u in units]
-        epochs = sorted({u.epoch for u in decoded})
+    def loader_check_units(self, replicated: dict, rank_state: Any, units: list) -> None:
+        epochs = sorted({self._decode(u).epoch for u in units})
         if len(epochs) != 1:
             raise LoaderStateError(f"this rank's restored read units are in different epochs {epochs}")
+        if rank_state is not None and not (isinstance(rank_state, Mapping)
+                                           and type(rank_state.get("next_worker")) is int
+                                           and type(rank_state.get("ended", True)) is bool):
+            raise LoaderStateError(f"malformed rank state of a saved loader: {rank_state!r}")
+        if type(replicated.get("generation", 0)) is not int:
+            raise LoaderStateError(f"malformed generation {replicated.get('generation')!r} in a saved loader state")
+
+    def loader_restore(self, replicated: dict, rank_state: Any, units: list, resharded: bool) -> None:
+        # bcp_read_state checked everything below (loader_check_units): nothing here fails
+        decoded = [self._decode(u) for u in units]
+        epochs = sorted({u.epoch for u in decoded})
         self._close_pool()
         self._generation = int(replicated.get("generation", 0)) + (1 if resharded else 0)
         if resharded:  # new units draw from fresh streams of their own
@@ -431,6 +458,10 @@ class PackedTokenLoader(ReshardableLoader):
                        for w, u in enumerate(decoded)]
         self._units, self._epoch = decoded, epochs[0]
         self._next_worker = int(rank_state["next_worker"]) % self.units_per_rank if rank_state else 0
+        # a state without "ended" (an older checkpoint, a resharded state) starts the next epoch
+        # at once when it has no batch left
+        self._ended = all(u.exhausted for u in decoded) and (bool(rank_state.get("ended", True)) if rank_state
+                                                             else True)
         self._yielded = 0
         self._recent.clear()
 
@@ -447,11 +478,13 @@ class PackedTokenLoader(ReshardableLoader):
                 raise LoaderStateError(f"a saved read unit has sources {sorted(docs)}, this loader {self.names}")
             ranges = []
             for n, count in zip(self.names, self._packer.counts):
-                rs = tuple(range(int(a), int(b), int(c)) for a, b, c in docs[n])
-                if any(len(r) and (min(r) < 0 or max(r) >= count) for r in rs):
+                rs = tuple(r for r in (range(int(a), int(b), int(c)) for a, b, c in docs[n]) if len(r))
+                if any(min(r) < 0 or max(r) >= count for r in rs):
                     raise LoaderStateError(f"a saved read unit names documents of source {n!r} beyond its "
                                            f"{count} documents")
-                ranges.append(tuple(r for r in rs if len(r)))
+                if sum(len(r) for r in rs) > count or _overlap(rs):  # documents that would be read twice
+                    raise LoaderStateError(f"a saved read unit names some documents of source {n!r} more than once")
+                ranges.append(rs)
             buf = np.asarray(v["buffer"])
             if buf.ndim != 1 or (buf.size and buf.dtype.kind not in "iu"):
                 raise LoaderStateError(f"a saved read unit's token buffer is not a 1-D integer array "
@@ -471,6 +504,27 @@ def _slice_ranges(ranges: tuple[range, ...], a: int, b: int) -> tuple[range, ...
             out.append(r[lo:hi])
         pos += len(r)
     return tuple(out)
+
+
+def _overlap(ranges: tuple[range, ...]) -> bool:
+    """Whether two of `ranges` (non-empty, at most a source's document count in all) share a position.
+
+    The ranges of one source in a unit bcp saved all have the step of the epoch's first layout
+    (`fresh` steps by the number of units; slices and joins keep it), so they are checked by residue
+    and start; other ranges are expanded."""
+    if len(ranges) < 2:
+        return False
+    steps = {r.step for r in ranges}
+    if len(steps) == 1 and next(iter(steps)) > 0:
+        last: dict[int, int] = {}
+        for r in sorted(ranges, key=lambda r: r.start):
+            residue = r.start % r.step
+            if last.get(residue, -1) >= r.start:
+                return True
+            last[residue] = r[-1]
+        return False
+    positions = np.concatenate([np.arange(r.start, r.stop, r.step, dtype=np.int64) for r in ranges])
+    return np.unique(positions).size != positions.size
 
 
 def _join_ranges(ranges: list[range]) -> tuple[range, ...]:

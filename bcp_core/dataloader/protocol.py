@@ -73,6 +73,10 @@ class ReshardableLoader:
         """One unit doing the work of `parts` (pieces of consecutive saved units, in order)."""
         raise NotImplementedError
 
+    def loader_check_units(self, replicated: dict, rank_state: Any, units: list) -> None:
+        """Raise LoaderStateError if `loader_restore` could not adopt these (a malformed unit). Called
+        before anything of the caller's state changes, so that `loader_restore` cannot fail. Optional."""
+
     def loader_restore(self, replicated: dict, rank_state: Any, units: list, resharded: bool) -> None:
         """Adopt a state. `rank_state` is None unless the layout (DP degree and units per rank) is the
         saved one; `resharded` is True when units were split or merged rather than copied."""
@@ -117,11 +121,21 @@ class ReshardableLoader:
             old_dp, old_w = int(layout["dp_size"]), int(layout["units_per_rank"])
         except (KeyError, TypeError, ValueError):
             raise LoaderStateError(f"{name}: the dataloader state lacks its layout (dp_size, units_per_rank)") from None
-        self.loader_check(state.get("replicated") or {})
+        replicated = state.get("replicated") or {}
+        if not isinstance(replicated, Mapping):
+            raise LoaderStateError(f"{name}: the dataloader state's replicated part is a {type(replicated).__name__}, "
+                                   "not a dict")
+        self.loader_check(replicated)
         saved_units = state.get("units") or {}
-        missing = [w for w in range(old_w) if str(w) not in saved_units]
-        if missing:
-            raise LoaderStateError(f"{name}: the dataloader state lacks the sharded units of workers {missing}")
+        # The layout must name exactly the units saved: a unit it left out would be data skipped
+        # without a word, and a layout claiming more units than saved would be read in vain.
+        if not isinstance(saved_units, Mapping) or old_dp < 1 or old_w < 1 or old_w != len(saved_units) \
+                or any(str(w) not in saved_units for w in range(old_w)):
+            saved = sorted(saved_units) if isinstance(saved_units, Mapping) else type(saved_units).__name__
+            raise LoaderStateError(f"{name}: the dataloader state's layout (dp_size={old_dp}, units_per_rank={old_w}) "
+                                   f"does not match the units saved (of workers {saved})")
+        for w in range(old_w):
+            _check_grid(saved_units[str(w)], old_dp, f"{name}: read unit {w}")
         cache: dict[int, Any] = {}
 
         def saved_unit(u: int) -> Any:
@@ -143,7 +157,8 @@ class ReshardableLoader:
             units = [self.merge_unit_states([self.split_unit_state(saved_unit(u), lo, hi)
                                              for u, lo, hi in unit_overlaps(j, old_n, new_n)]) for j in mine]
             resharded = True
-        return functools.partial(self.loader_restore, state.get("replicated") or {}, rank_state, units, resharded)
+        self.loader_check_units(replicated, rank_state, units)
+        return functools.partial(self.loader_restore, replicated, rank_state, units, resharded)
 
 
 def unit_overlaps(j: int, old_n: int, new_n: int) -> list[tuple[int, Fraction, Fraction]]:
@@ -155,6 +170,17 @@ def unit_overlaps(j: int, old_n: int, new_n: int) -> list[tuple[int, Fraction, F
         if lo < hi:
             out.append((u, lo, hi))
     return out
+
+
+def _check_grid(src: Any, dp_size: int, what: str) -> None:
+    """`src` (a ShardReader, or an ObjectShard of a state_dict()) is sharded over `dp_size` DP ranks,
+    and a ShardReader holds every one of them: the layout saved is the layout of the units."""
+    grid = getattr(src, "grid", None)
+    if isinstance(src, ShardReader) and (tuple(grid) != (dp_size,) or len(src.indices) != dp_size):
+        raise LoaderStateError(f"{what} was saved at indices {sorted(src.indices)} of grid {list(grid)}, but "
+                               f"the layout says dp_size={dp_size}")
+    if isinstance(src, ObjectShard) and tuple(grid) != (dp_size,):
+        raise LoaderStateError(f"{what} has grid {list(grid)}, but the layout says dp_size={dp_size}")
 
 
 def _read_shard(src: Any, dp: int, what: str) -> Any:

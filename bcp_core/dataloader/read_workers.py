@@ -7,14 +7,22 @@ from), both pickled into the process. Messages: batches on a bounded queue per w
 requests on a control queue per worker, states (and errors) on one queue the pool receives in the
 background. Every wait is bounded by the loader's timeout; a worker that died or went silent
 raises `ReadWorkerError` naming it.
+
+A worker holds the only copy of its unit's state, which the training process saves on preemption.
+SIGTERM often reaches every process of a job (SLURM signals every process of a job step), so
+workers ignore it: the pool stops them (a message, else SIGKILL), at interpreter exit too, and a
+worker whose training process is gone (killed) ends by itself.
 """
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
 import threading
 import time
 import traceback
+from multiprocessing import util as mp_util
 from typing import Any, Protocol
 
 from ..errors import ReadWorkerError
@@ -44,6 +52,10 @@ def _read_worker(packer: Packer, unit: Unit, w: int, data_q, ctrl_q, state_q, ke
     Requests may come before batch n exists (prefetching: answered right after producing it) or
     after (answered from the last `keep` states, which covers every batch not yet consumed).
     """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # module doc: the training process may save this state
+    # The training process, or the fork server that forked this worker for it and that ends with it:
+    # when it is gone, this process has a new parent.
+    parent = os.getppid()
     data_q.cancel_join_thread()  # on stop, batches nobody will read must not block the exit
     produced, ring, wanted = 0, {0: unit}, set()
 
@@ -53,6 +65,8 @@ def _read_worker(packer: Packer, unit: Unit, w: int, data_q, ctrl_q, state_q, ke
         wanted.add(msg[1])
 
     def poll() -> None:
+        if os.getppid() != parent:  # the training process is gone (killed): nobody will stop this worker
+            raise _Stop
         while True:
             try:
                 take(ctrl_q.get_nowait())
@@ -87,14 +101,23 @@ def _read_worker(packer: Packer, unit: Unit, w: int, data_q, ctrl_q, state_q, ke
             put(("batch", produced, batch, real))
         put(("end", produced))
         while True:
-            take(ctrl_q.get())
+            try:
+                take(ctrl_q.get(timeout=1.0))
+            except queue.Empty:
+                pass
             poll()
     except _Stop:
         pass
     except BaseException:  # noqa: BLE001 - reported to the main process
         tb = traceback.format_exc()
-        data_q.put(("error", tb))
+        # state_q first: it is unbounded, while data_q may stay full for good when the training
+        # process waits for a state rather than a batch (it would wait for its timeout, and then
+        # report a silent worker instead of this error)
         state_q.put(("error", w, tb))
+        try:
+            put(("error", tb))  # while the queue is full, a stop request still ends the worker
+        except _Stop:
+            pass
 
 
 class ReadWorkerPool:
@@ -112,15 +135,25 @@ class ReadWorkerPool:
                                   args=(packer, u, w, self.data_qs[w], self.ctrl_qs[w], self.state_q,
                                         prefetch_factor + 4))
                       for w, u in enumerate(units)]
-        for p in self.procs:
-            p.start()
         self._states: dict[tuple[int, int], Any] = {}
         self._error: str | None = None
         self._cond = threading.Condition()
         # States are received in the background so that a prefetched one is already unpickled when
         # the checkpoint step asks for it.
         self._receiver = threading.Thread(target=self._receive, name="bcp-loader-states", daemon=True)
-        self._receiver.start()
+        # The pool is shut down by close(), or else at multiprocessing's exit hook, before that hook
+        # SIGTERMs daemonic children (ignored by workers) and joins them without a timeout, and before
+        # interpreter finalization, when a queue can no longer start its thread (a close from the
+        # loader's __del__ then would hang the exit).
+        self._shutdown = mp_util.Finalize(self, _shutdown, exitpriority=0, args=(
+            os.getpid(), self.procs, self._receiver, self.state_q, self.data_qs, self.ctrl_qs))
+        try:
+            for p in self.procs:
+                p.start()
+            self._receiver.start()
+        except BaseException:
+            self._shutdown()
+            raise
 
     def _receive(self) -> None:
         while True:
@@ -182,15 +215,24 @@ class ReadWorkerPool:
         return unit
 
     def close(self) -> None:
-        for q in self.ctrl_qs:
-            q.put(("stop",))
-        for p in self.procs:
+        self._shutdown()  # once: later calls do nothing
+
+
+def _shutdown(owner: int, procs: list, receiver: threading.Thread, state_q, data_qs: list, ctrl_qs: list) -> None:
+    if os.getpid() != owner:  # a forked copy of the training process: the workers are not its own
+        return
+    for q in ctrl_qs:
+        q.put(("stop",))
+    for p in procs:
+        if p.pid is None:  # never started
+            continue
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()  # SIGTERM is ignored
             p.join(timeout=5)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-        self.state_q.put(None)
-        self._receiver.join(timeout=5)
-        for q in (*self.data_qs, *self.ctrl_qs, self.state_q):
-            q.close()
-            q.cancel_join_thread()
+    if receiver.ident is not None:
+        state_q.put(None)
+        receiver.join(timeout=5)
+    for q in (*data_qs, *ctrl_qs, state_q):
+        q.close()
+        q.cancel_join_thread()
