@@ -138,7 +138,6 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 180.0) -> list:
 def _stacks(procs, port: int, ranks: list[int]) -> str:
     """The Python stacks of the given (hung) ranks, dumped by faulthandler."""
     import signal
-    out = []
     for r in ranks:
         try:
             os.kill(procs[r].pid, signal.SIGUSR1)
