@@ -29,7 +29,7 @@ from . import codec, layout, metrics
 from .comm import Comm
 from .errors import BCPError, CommitCallbackError, CommTimeoutError, MetadataError, SaveError
 from .layout import write_tracker
-from .metadata import FAILED_FILE, METADATA_FILE
+from .metadata import FAILED_FILE, METADATA_FILE, CheckpointMetadata, read_metadata_file
 from .plan_records import (Committed, GatheredRequests, PlanReply, PlanRequest, ResendStructure, SaveFailed, SaveId,
                            UseCachedPlan, WriteReport)
 from .save_job import CachedPlan, SaveProgress, SaveRequest, rank_error
@@ -134,7 +134,7 @@ class SaveRounds:
         else:
             answer = ResendStructure(request.save)
         if request.ckpt is not None and not isinstance(answer, ResendStructure):
-            _invalidate(request.ckpt)  # an older checkpoint at this path must never pass for this one
+            _begin(request.ckpt)
             request.ckpt.makedirs()
         return answer
 
@@ -174,7 +174,7 @@ class SaveRounds:
             if progress.probe:
                 for node in sorted(set(comm.nodes)):
                     ckpt.remove(PROBE_FILE.format(node))
-            _remove_stale_files(ckpt, md, self.token)
+            replaced = _committed_metadata(ckpt)  # a checkpoint already here stays until the rename below
             # the data files' directory entries, then the step directory's, are durable before the commit
             ckpt.sync_dir("data")
             ckpt.sync_dir()
@@ -187,8 +187,9 @@ class SaveRounds:
                 try:
                     write_tracker(root, request.tracker_name)
                 except BaseException:
-                    _invalidate(ckpt)  # failed on every rank: must not be found complete either
+                    _restore(ckpt, replaced)  # failed on every rank: the checkpoint it replaced is back
                     raise
+            _remove_replaced_files(ckpt, md, self.token, replaced)
             commit.stop()
             metrics.save_beside(ckpt, [metrics.records()] + [list(r.metrics) for r in reports[1:]])
             return Committed(request.save)
@@ -322,21 +323,48 @@ def mark_failed(request: SaveRequest, error: SaveError) -> None:
         log.warning("bcp: could not mark the failed %s as failed: %s", request.what, e)
 
 
-def _invalidate(ckpt: Storage) -> None:
-    """An older checkpoint at this path must never pass for this one: drop its metadata first (and
-    an earlier failed save's mark: this save is in progress)."""
-    for name in (METADATA_FILE, FAILED_FILE):
-        if ckpt.exists(name):
-            ckpt.remove(name)
+def _begin(ckpt: Storage) -> None:
+    """A save into `ckpt` starts: an earlier failed save's mark goes (this one is in progress). A
+    checkpoint committed there stays whole and loadable until this save's metadata replaces it, in
+    one rename: data file names are unique per save, so this save writes none of its files."""
+    if ckpt.exists(FAILED_FILE):
+        ckpt.remove(FAILED_FILE)
 
 
-def _remove_stale_files(ckpt: Storage, md, token: str) -> None:
-    """This job's data files from an earlier save to the same path. Other jobs' files are left alone:
-    one may be writing here right now (`bcp prune` cleans up after crashed jobs)."""
+def _committed_metadata(ckpt: Storage) -> bytes | None:
+    """Coordinator, before its commit: the metadata of the checkpoint committed at this path, which
+    the commit replaces (None if there is none)."""
+    return read_metadata_file(ckpt) if ckpt.exists(METADATA_FILE) else None
+
+
+def _restore(ckpt: Storage, replaced: bytes | None) -> None:
+    """The commit failed after its metadata was written: the checkpoint it replaced comes back (its
+    files were not touched), or, if there was none, the directory holds no checkpoint."""
+    if replaced is not None:
+        ckpt.write_atomic(METADATA_FILE, replaced)
+    elif ckpt.exists(METADATA_FILE):
+        ckpt.remove(METADATA_FILE)
+
+
+def _remove_replaced_files(ckpt: Storage, md, token: str, replaced: bytes | None) -> None:
+    """After a commit: the data files of the checkpoint it replaced, and this job's files of earlier
+    saves to the same path (failed ones included). Other jobs' files are left alone: one may be
+    writing here right now (`bcp prune` cleans up after crashed jobs). The checkpoint is committed:
+    a failure here is logged."""
     keep = {f.split("/", 1)[1] for f in md.files}
-    for name in ckpt.listdir("data"):
-        if name.startswith(f"{token}-") and name not in keep:
-            ckpt.remove(f"data/{name}")
+    try:
+        old = set()
+        if replaced is not None:
+            try:
+                old = {f.split("/", 1)[1] for f in CheckpointMetadata.loads(replaced, ckpt.join(METADATA_FILE)).files}
+            except MetadataError as e:  # a damaged checkpoint was replaced: its files are unknown
+                log.warning("bcp: the checkpoint replaced at %s had unreadable metadata (%s): its data files "
+                            "stay (bcp prune)", ckpt.root, e)
+        for name in ckpt.listdir("data"):
+            if name not in keep and (name in old or name.startswith(f"{token}-")):
+                ckpt.remove(f"data/{name}")
+    except Exception as e:  # noqa: BLE001 - see above
+        log.warning("bcp: could not remove the files %s no longer uses: %s", ckpt.root, e)
 
 
 def tidy_root(request: SaveRequest, what: str = "save", keep_name: str = "keep") -> None:

@@ -454,9 +454,9 @@ def _save_target(strategy: Strategy, path: str, step: int) -> tuple[bool, int]:
     step directory's number. That is `step`, unless `path` holds a committed step directory of
     `step` or later (the same step saved again: `trainer.save_checkpoint` twice, a resumed run
     saving an earlier step): then the number after the newest of them. A save never writes into a
-    committed step directory (bcp overwrites one in place, its metadata first: a failed save would
-    leave nothing committed), and the new one orders after every committed one, so once it is
-    committed `_AfterCommit` removes them all. Lightning's global step is in the checkpoint itself."""
+    committed step directory (the new checkpoint would replace that one in place) and the new one
+    orders after every committed one, so once it is committed `_AfterCommit` removes them all.
+    Lightning's global step is in the checkpoint itself."""
     answer: tuple[bool, int] | str
     if strategy.is_global_zero:
         try:

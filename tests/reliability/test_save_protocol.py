@@ -208,6 +208,34 @@ def _scenarios(rank, world_size, base):
         with pytest.raises(bcp.SaveError, match="rank 1"):
             bcp.save(root, _state(rank, 4), step=4, role="keep", keep=2)
     out["keep"] = _assert_each_step_whole(root)
+
+    # 9. A save into a directory holding a committed checkpoint (the same step saved again, a path
+    #    saved twice) leaves it whole and loadable until its own commit replaces it: a save failing
+    #    on one rank, sync or async, leaves it as it was. One that commits replaces it, and the
+    #    replaced checkpoint's files go (written by another role here: another token).
+    root = os.path.join(base, "again")
+    bcp.save(root, _state(rank, 1), step=1, role="again-first")
+    plain = os.path.join(base, "again-plain")
+    bcp.save(plain, _state(rank, 1), role="again-first")
+    first_files = sorted(os.listdir(os.path.join(root, "step_00000001", "data")))
+    for path, step in ((root, 1), (plain, None)):
+        for faulty, async_save in ((1, False), (0, True)):
+            with inject(Fault("write", error=OSError(errno.EIO, "Input/output error"))) if rank == faulty \
+                    else _nothing():
+                with pytest.raises(bcp.SaveError, match=f"rank {faulty}"):
+                    bcp.save(path, _state(rank, 9), step=step, role="again", async_save=async_save).wait()
+    out["again_failed"] = _assert_each_step_whole(root)
+    target = {"a": torch.zeros(4), "b": torch.zeros(3)}
+    bcp.load(plain, target, strict=False)
+    out["again_plain_failed"] = [target["a"][0].item(), target["b"][0].item()]
+    bcp.save(root, _state(rank, 9), step=1, role="again")
+    target = {"a": torch.zeros(4), "b": torch.zeros(3)}
+    bcp.load(root, target, strict=False)
+    out["again_replaced"] = [target["a"][0].item(), target["b"][0].item()]
+    dist.barrier()  # the coordinator removes the replaced files after the commit
+    data = sorted(os.listdir(os.path.join(root, "step_00000001", "data")))
+    listed = sorted(f.split("/", 1)[1] for f in bcp.inspect(os.path.join(root, "step_00000001")).files)
+    out["again_files"] = (data == listed, set(first_files) & set(data))
     return out
 
 
@@ -228,6 +256,8 @@ def test_faults_on_one_rank_never_mix_or_lose_saves(tmp_path):
         assert r["early"] == [1, 2]
         assert r["steps"] == []
         assert r["keep_rotated"] == [2, 3] and r["keep"] == [2, 3]
+        assert r["again_failed"] == [1] and r["again_plain_failed"] == [1.0, 1.0]
+        assert r["again_replaced"] == [9.0, 9.0] and r["again_files"] == (True, set())
     assert results[0]["early_cached"] == 1 and results[1]["early_cached"] == 0  # the race really happened
     assert [r["early_plans"] for r in results] == [1, 1]  # rank 1 got the one plan again: not a second plan
 
@@ -374,11 +404,11 @@ def _commit_waits(rank, world_size, base):
         if comm.rank == 0:
             wait_for_file(events.format("gave_up", request.save.number))
         return write(self, comm, request, progress)
-    remove_stale_files = save_rounds._remove_stale_files
+    committed_metadata = save_rounds._committed_metadata  # the commit's first step after settling
 
-    def commit_after_rank_1_gave_up(ckpt, md, token):
+    def commit_after_rank_1_gave_up(ckpt):
         wait_for_file(events.format("gave_up", 2))
-        return remove_stale_files(ckpt, md, token)
+        return committed_metadata(ckpt)
 
     out = {}
     short = timedelta(seconds=2 if rank == 1 else 120)  # rank 1 waits twice this for the answer
@@ -392,7 +422,7 @@ def _commit_waits(rank, world_size, base):
         out["committed_after_1"] = _committed_steps(base)
         # 2. Rank 0 began committing before rank 1 gave up: rank 1 waits for the answer, and the
         #    save is committed on both ranks (rank 1 used to raise).
-        with _patched(save_rounds, "_remove_stale_files", lambda _: commit_after_rank_1_gave_up):
+        with _patched(save_rounds, "_committed_metadata", lambda _: commit_after_rank_1_gave_up):
             out["commit_first"] = save(2, short)
     out["last"] = save(3)  # the next save is undisturbed
     dist.barrier()
