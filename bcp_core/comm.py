@@ -4,7 +4,8 @@ Plans and commit reports are small JSON messages. They travel through the store 
 `torch.distributed` job already has (the TCPStore behind the default group), under keys private
 to bcp, so planning never touches the training (NCCL or gloo) groups, needs no process group of
 its own, never pickles, and may run on a background thread. Every wait has a timeout; a rank that
-does not arrive produces an error naming the missing ranks and the phase instead of a hang.
+does not arrive produces an error naming the missing ranks and the phase instead of a hang. A message
+larger than one store value may be (8 MiB on torch's TCPStore) travels in parts (`PART_BYTES`).
 
 Each operation is named by its caller after what it belongs to (`s12/commit`: the commit of save 12
 of a role; `l3/verify`: the verification of load 3): every rank names the same operation the same
@@ -47,6 +48,13 @@ DEFAULT_FAN_IN = 32
 
 # First byte of a message sent down the tree: one value for every rank, or one per rank.
 _ALL, _EACH = b"A", b"E"
+
+# The most bytes one store value holds: torch's TCPStore server (libuv, the default) drops the
+# connection of a client that sets a value over 8 MiB (its MAX_PAYLOAD_LEN), and the other ranks
+# waited for that message until their timeout. A larger message goes in parts of this size
+# (`_PARTS` and their count under its key, set last), removed by its one reader once read.
+PART_BYTES = 4 << 20
+_PARTS = b"\x00"  # never the first byte of a message (JSON, _ALL, _EACH)
 
 
 def _default_store():
@@ -249,14 +257,14 @@ class Comm:
         for kids in levels:
             keys = [f"{base}/{c}" for c in kids]
             self._wait_up(base, keys, kids, op, timeout)
-            received = self._store.multi_get(keys)
+            received = self._get_all(keys)
             if merge is None:
                 parts.extend(v[1:-1] for v in received)  # strip each array's brackets
             else:
                 parts.extend(_decode_all(received))
         combined = b"[" + b",".join(parts) + b"]" if merge is None else merge(parts)
         if not self.is_coordinator:
-            self._store.set(f"{base}/{self.rank}", combined if merge is None else _encode(combined))
+            self._set(f"{base}/{self.rank}", combined if merge is None else _encode(combined))
             return None
         # Every rank has sent this operation, so all have finished the operations before it.
         for k in self._stale:
@@ -301,7 +309,7 @@ class Comm:
                 stuck = next((a for a, b in zip(chain, chain[1:]) if not self._store.check([f"{base}/d/{b}"])),
                              chain[-2])
                 raise self._timeout(op, [stuck], e, 2 * timeout) from None
-            message = self._store.get(key)
+            message = self._get_all([key])[0]
         else:
             self._stale.extend(f"{base}/d/{r}" for r in range(1, self.world_size))
         kids = [c for level in self.tree.children[self.rank] for c in level]
@@ -309,11 +317,35 @@ class Comm:
             if items is None:
                 items = _decode(message[1:])
             for c, sub in subtree_messages(self.tree, self.rank, items).items():
-                self._store.set(f"{base}/d/{c}", sub)
+                self._set(f"{base}/d/{c}", sub)
             return _EACH + _encode(items[:1])
         for c in kids:
-            self._store.set(f"{base}/d/{c}", message)
+            self._set(f"{base}/d/{c}", message)
         return message
+
+    # -- messages of any size ------------------------------------------------------------------
+
+    def _set(self, key: str, message: bytes) -> None:
+        """Send `message` under `key`, in parts if the store would refuse it whole (`PART_BYTES`)."""
+        if len(message) <= PART_BYTES:
+            self._store.set(key, message)
+            return
+        n = -(-len(message) // PART_BYTES)
+        for i in range(n):
+            self._store.set(f"{key}/p{i}", message[i * PART_BYTES:(i + 1) * PART_BYTES])
+        self._store.set(key, _PARTS + str(n).encode())  # last: the reader waits for it
+
+    def _get_all(self, keys: list[str]) -> list[bytes]:
+        """The messages under `keys` (all there), each read by this rank alone: the parts of one
+        sent in parts are joined and removed from the store."""
+        messages = self._store.multi_get(keys)
+        for i, (key, message) in enumerate(zip(keys, messages)):
+            if message[:1] == _PARTS:
+                parts = [f"{key}/p{k}" for k in range(int(message[1:]))]
+                messages[i] = b"".join(self._store.get(p) for p in parts)
+                for p in parts:
+                    self._store.delete_key(p)
+        return messages
 
     def _timeout(self, op: str, missing: list[int], cause: Exception, waited: timedelta) -> CommTimeoutError:
         return CommTimeoutError(

@@ -38,3 +38,28 @@ def _exchange_and_timeout(rank, world_size, root):
 
 def test_missing_rank_is_named_instead_of_hanging(tmp_path):
     assert run_ranks(3, _exchange_and_timeout, str(tmp_path), timeout=120) == ["raised", "raised", "skipped"]
+
+
+def _large_messages(rank, world_size):
+    import torch.distributed as dist
+    comm = Comm(tag="large", fan_in=1)  # rank 1 a leader too: messages pass through it
+    big = "x" * (9 << 20)  # more than the store takes in one value (8 MiB with torch's libuv TCPStore)
+    keys = []
+    for i in range(2):
+        got = comm.gather(big if rank == 2 else rank, f"g{i}", timedelta(seconds=10))
+        assert got is None or got == [0, 1, big]
+        assert comm.broadcast(big if rank == 0 else None, f"b{i}", timedelta(seconds=10)) == big
+        assert comm.scatter([0, 1, big] if rank == 0 else None, f"s{i}", timedelta(seconds=10)) == [0, 1, big][rank]
+        assert comm.all_gather(big if rank == 1 else rank, f"a{i}", timedelta(seconds=10)) == [0, big, 2]
+        comm.barrier(f"done{i}", timedelta(seconds=10))
+        keys.append(dist.distributed_c10d._get_default_store().num_keys())
+    return keys
+
+
+def test_messages_larger_than_the_store_takes_arrive_whole(tmp_path):
+    """torch's TCPStore drops the connection of a client that sets a value over 8 MiB (the sender saw
+    'Connection reset by peer', its thread's connection stayed broken, the others waited for it until
+    their timeout): a large message goes in parts, which its one reader removes once read."""
+    keys = run_ranks(3, _large_messages, timeout=120)
+    assert keys[0][0] == keys[0][1], keys  # the store does not grow from one round to the next
+

@@ -109,7 +109,8 @@ class _PartUploader(FileWriter):
             self.pool.shutdown(wait=True)
         if self.futures:
             try:
-                self._discard()
+                # retried as every request is: an upload never discarded keeps its parts stored for good
+                with_retries("discard the upload of", self.url, self._discard)
             except Exception as e:  # noqa: BLE001 - best effort; the file was never made visible
                 log.warning("bcp: rank %s: cleaning up the aborted upload of %s failed: %s",
                             this_rank(), self.url, e)

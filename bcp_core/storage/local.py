@@ -128,7 +128,14 @@ class LocalStorage(Storage):
                     os.unlink(tmp, dir_fd=dir_fd)
                 raise
             if self.fsync:
-                _fsync_dir(dir_fd, self.join(relpath.rpartition("/")[0]))
+                try:
+                    _fsync_dir(dir_fd, self.join(relpath.rpartition("/")[0]))
+                except BaseException:
+                    # the write fails, so nothing of it stays: a commit record in place after its
+                    # save raised would be loaded as a checkpoint that was never committed
+                    with contextlib.suppress(OSError):
+                        os.unlink(name, dir_fd=dir_fd)
+                    raise
         finally:
             os.close(dir_fd)
 
