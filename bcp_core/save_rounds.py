@@ -182,13 +182,13 @@ class SaveRounds:
                 root.sync_dir()
             else:
                 ckpt.sync_entry()
-            ckpt.write_atomic(METADATA_FILE, gc_paused(md.dumps)())
-            if request.tracker_name:
-                try:
+            try:
+                ckpt.write_atomic(METADATA_FILE, gc_paused(md.dumps)())
+                if request.tracker_name:
                     write_tracker(root, request.tracker_name)
-                except BaseException:
-                    _restore(ckpt, replaced)  # failed on every rank: the checkpoint it replaced is back
-                    raise
+            except BaseException:
+                _restore(ckpt, replaced)  # failed on every rank: the checkpoint it replaced is back
+                raise
             _remove_replaced_files(ckpt, md, self.token, replaced)
             commit.stop()
             metrics.save_beside(ckpt, [metrics.records()] + [list(r.metrics) for r in reports[1:]])
@@ -338,12 +338,16 @@ def _committed_metadata(ckpt: Storage) -> bytes | None:
 
 
 def _restore(ckpt: Storage, replaced: bytes | None) -> None:
-    """The commit failed after its metadata was written: the checkpoint it replaced comes back (its
-    files were not touched), or, if there was none, the directory holds no checkpoint."""
-    if replaced is not None:
-        ckpt.write_atomic(METADATA_FILE, replaced)
-    elif ckpt.exists(METADATA_FILE):
-        ckpt.remove(METADATA_FILE)
+    """The commit failed while or after its metadata was written: the checkpoint it replaced comes
+    back (its files were not touched), or, if there was none, the directory holds no checkpoint.
+    The commit's own error is the one raised; a failure here is logged."""
+    try:
+        if replaced is not None:
+            ckpt.write_atomic(METADATA_FILE, replaced)
+        elif ckpt.exists(METADATA_FILE):
+            ckpt.remove(METADATA_FILE)
+    except Exception as e:  # noqa: BLE001 - see above
+        log.error("bcp: the failed commit at %s could not be undone (%s): check it with `bcp verify`", ckpt.root, e)
 
 
 def _remove_replaced_files(ckpt: Storage, md, token: str, replaced: bytes | None) -> None:

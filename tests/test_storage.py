@@ -324,6 +324,25 @@ def test_s3_small_file_is_one_put_and_abort_discards(s3, small_io):
     st.remove("")
 
 
+def test_s3_aborted_upload_is_discarded_through_a_transient_error(s3, small_io):
+    """The abort of a multipart upload is retried like every other request: a transient error on it
+    left the upload's parts stored (and billed) for good, with nothing to list or remove them."""
+    st = bst.storage_for(f"s3://{BUCKET}/abort-retry-{uuid.uuid4().hex[:8]}")
+    w = st.open_writer("big")
+    w.write(memoryview(os.urandom(3 * PART)))
+    s3.reset_counts()
+    s3.fail(503, "ServiceUnavailable", "DELETE", r"/abort-retry-[^/]*/big$", times=1)
+    try:
+        w.abort()
+        assert s3.counts["failed"] == 1
+    finally:
+        s3.clear()
+    uploads = st.fs.call_s3("list_multipart_uploads", Bucket=BUCKET).get("Uploads", [])
+    assert not [u for u in uploads if "abort-retry-" in u["Key"]], uploads
+    assert not st.exists("big")
+    st.remove("")
+
+
 def test_s3_one_retry_layer(s3, small_io):
     """A request that fails for good is sent exactly `retry_attempts` times: bcp's retries are the only
     ones, with botocore's and s3fs's own off (before, the three layers multiplied: 3 x 5 x 5 = 75 sends
@@ -571,6 +590,47 @@ def test_local_writer_closes_its_descriptor_once(tmp_path, monkeypatch):
         for n in opened:
             os.close(n)
     assert sorted(os.listdir(tmp_path)) == ["other"]  # nothing left of the failed file, not even its temp
+
+
+def test_a_commit_record_whose_directory_sync_failed_is_not_left_in_place(tmp_path, monkeypatch):
+    """The metadata is renamed into place, then its directory fsync'd; when that fsync fails (EIO) the
+    save raises on every rank, and the metadata goes again: before, it stayed, and the checkpoint of
+    a save that "failed and was not committed" was listed as complete and loaded."""
+    from bcp_core.storage import local
+    root = tmp_path / "root"
+    bcp.save(str(root), {"w": torch.ones(4)}, step=1).wait()
+    real = local._fsync_dir
+
+    def fsync_dir(fd, shown):
+        if shown.endswith("step_00000002") and os.path.exists(os.path.join(shown, "bcp_metadata.json")):
+            raise bcp.StorageError(f"fsync of directory {shown} failed: Input/output error")
+        return real(fd, shown)
+    monkeypatch.setattr(local, "_fsync_dir", fsync_dir)
+    with pytest.raises(bcp.SaveError, match="Input/output error"):
+        bcp.save(str(root), {"w": torch.full((4,), 2.0)}, step=2).wait()
+    monkeypatch.undo()
+    assert not (root / "step_00000002" / "bcp_metadata.json").exists()
+    with pytest.raises(bcp.IncompleteCheckpointError, match="its save failed"):
+        bcp.load(str(root / "step_00000002"), {"w": torch.zeros(4)})
+    from bcp_core import layout
+    assert [e.name for e in layout.list_checkpoints(str(root)) if e.complete] == ["step_00000001"]
+    # the same step saved again, failing so: the checkpoint it was to replace is back, whole
+    failures = []
+    committed = (root / "step_00000001" / "bcp_metadata.json").read_bytes()
+
+    def fsync_dir_once(fd, shown):  # once the new metadata is in place
+        if shown.endswith("step_00000001") and not failures and \
+                (root / "step_00000001" / "bcp_metadata.json").read_bytes() != committed:
+            failures.append(shown)
+            raise bcp.StorageError(f"fsync of directory {shown} failed: Input/output error")
+        return real(fd, shown)
+    monkeypatch.setattr(local, "_fsync_dir", fsync_dir_once)
+    with pytest.raises(bcp.SaveError, match="Input/output error"):
+        bcp.save(str(root), {"w": torch.full((4,), 3.0)}, step=1).wait()
+    monkeypatch.undo()
+    target = {"w": torch.zeros(4)}
+    bcp.load(str(root / "step_00000001"), target)
+    assert failures and torch.equal(target["w"], torch.ones(4))
 
 
 def test_local_parallel_chunks(tmp_path, small_io):
