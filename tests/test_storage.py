@@ -633,6 +633,16 @@ def test_a_commit_record_whose_directory_sync_failed_is_not_left_in_place(tmp_pa
     assert failures and torch.equal(target["w"], torch.ones(4))
 
 
+@pytest.mark.timeout(60)
+def test_a_write_that_writes_nothing_fails_the_save_instead_of_looping(tmp_path, monkeypatch):
+    """`pwrite` returning 0 (never for a Linux file; a FUSE or network file system may): the save
+    fails naming the write, where it used to retry the same call forever."""
+    from bcp_core.storage import local_writer
+    monkeypatch.setattr(local_writer.os, "pwrite", lambda fd, data, pos: 0)
+    with pytest.raises(bcp.SaveError, match="wrote nothing"):
+        bcp.save(str(tmp_path / "c"), {"w": torch.ones(1 << 16)}).wait()
+
+
 def test_local_parallel_chunks(tmp_path, small_io):
     st = bst.storage_for(str(tmp_path))
     data = os.urandom(5 * PART + 3)

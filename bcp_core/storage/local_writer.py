@@ -30,6 +30,8 @@ from .base import CONFIG, IN_PLACE_BYTES, FileWriter, chunks, run_all, temp_name
 def _pwrite_all(fd: int, data: memoryview, pos: int) -> None:
     while len(data):
         n = os.pwrite(fd, data, pos)  # releases the GIL
+        if n == 0:  # never for a regular file on Linux; elsewhere it would loop forever
+            raise OSError(errno.EIO, f"write of {len(data)} bytes at offset {pos} wrote nothing")
         data, pos = data[n:], pos + n
 
 
