@@ -333,8 +333,13 @@ def _begin(ckpt: Storage) -> None:
 
 def _committed_metadata(ckpt: Storage) -> bytes | None:
     """Coordinator, before its commit: the metadata of the checkpoint committed at this path, which
-    the commit replaces (None if there is none)."""
-    return read_metadata_file(ckpt) if ckpt.exists(METADATA_FILE) else None
+    the commit replaces (None if there is none, or if it cannot be read: a damaged one is replaced
+    all the same)."""
+    try:
+        return read_metadata_file(ckpt) if ckpt.exists(METADATA_FILE) else None
+    except Exception as e:  # noqa: BLE001 - this save commits whatever the one it replaces holds
+        log.warning("bcp: the metadata this save replaces at %s cannot be read (%s)", ckpt.root, e)
+        return None
 
 
 def _restore(ckpt: Storage, replaced: bytes | None) -> None:
@@ -360,7 +365,9 @@ def _remove_replaced_files(ckpt: Storage, md, token: str, replaced: bytes | None
         old = set()
         if replaced is not None:
             try:
-                old = {f.split("/", 1)[1] for f in CheckpointMetadata.loads(replaced, ckpt.join(METADATA_FILE)).files}
+                files = CheckpointMetadata.loads(replaced, ckpt.join(METADATA_FILE)).files
+                # an imported checkpoint's files may lie outside data/: those are left alone
+                old = {f.removeprefix("data/") for f in files if f.startswith("data/")}
             except MetadataError as e:  # a damaged checkpoint was replaced: its files are unknown
                 log.warning("bcp: the checkpoint replaced at %s had unreadable metadata (%s): its data files "
                             "stay (bcp prune)", ckpt.root, e)

@@ -633,6 +633,27 @@ def test_a_commit_record_whose_directory_sync_failed_is_not_left_in_place(tmp_pa
     assert failures and torch.equal(target["w"], torch.ones(4))
 
 
+def test_a_damaged_checkpoint_is_replaced_by_a_save_to_its_path(tmp_path, monkeypatch):
+    """A save into a directory whose metadata is garbage or larger than bcp reads (a sparse file of
+    any size costs nothing to make): it commits all the same (the damaged checkpoint's files, unknown,
+    are left to `bcp prune`)."""
+    path = str(tmp_path / "c")
+    for damage in ("garbage", "huge"):
+        bcp.save(path, {"w": torch.ones(4)}, role=f"first-{damage}")  # another role: files of another token
+        meta = os.path.join(path, "bcp_metadata.json")
+        if damage == "garbage":
+            with open(meta, "wb") as f:
+                f.write(b"{not json")
+        else:
+            monkeypatch.setenv("BCP_MAX_METADATA_BYTES", str(1 << 20))
+            os.truncate(meta, 2 << 20)
+        bcp.save(path, {"w": torch.full((4,), 2.0)}, role=f"again-{damage}").wait()
+        target = {"w": torch.zeros(4)}
+        bcp.load(path, target)
+        assert torch.equal(target["w"], torch.full((4,), 2.0)), damage
+        monkeypatch.delenv("BCP_MAX_METADATA_BYTES", raising=False)
+
+
 @pytest.mark.timeout(60)
 def test_a_write_that_writes_nothing_fails_the_save_instead_of_looping(tmp_path, monkeypatch):
     """`pwrite` returning 0 (never for a Linux file; a FUSE or network file system may): the save
