@@ -598,35 +598,37 @@ def test_a_commit_record_whose_directory_sync_failed_is_not_left_in_place(tmp_pa
     a save that "failed and was not committed" was listed as complete and loaded."""
     from bcp_core.storage import local
     root = tmp_path / "root"
-    bcp.save(str(root), {"w": torch.ones(4)}, step=1).wait()
+    bcp.save(str(root), {"w": torch.ones(4)}, step=1)
     real = local._fsync_dir
 
-    def fsync_dir(fd, shown):
-        if shown.endswith("step_00000002") and os.path.exists(os.path.join(shown, "bcp_metadata.json")):
-            raise bcp.StorageError(f"fsync of directory {shown} failed: Input/output error")
-        return real(fd, shown)
-    monkeypatch.setattr(local, "_fsync_dir", fsync_dir)
+    def fsync_failing(step: int, metadata_in_place):
+        """`_fsync_dir` failing (EIO) for step `step`'s directory while `metadata_in_place()`."""
+        def fsync_dir(fd, shown):
+            if shown.endswith(f"step_{step:08d}") and metadata_in_place():
+                failures.append(shown)
+                raise bcp.StorageError(f"fsync of directory {shown} failed: Input/output error")
+            return real(fd, shown)
+        return fsync_dir
+
+    failures: list[str] = []
+    meta = root / "step_00000002" / "bcp_metadata.json"
+    monkeypatch.setattr(local, "_fsync_dir", fsync_failing(2, meta.exists))
     with pytest.raises(bcp.SaveError, match="Input/output error"):
-        bcp.save(str(root), {"w": torch.full((4,), 2.0)}, step=2).wait()
+        bcp.save(str(root), {"w": torch.full((4,), 2.0)}, step=2)
     monkeypatch.undo()
     assert not (root / "step_00000002" / "bcp_metadata.json").exists()
     with pytest.raises(bcp.IncompleteCheckpointError, match="its save failed"):
         bcp.load(str(root / "step_00000002"), {"w": torch.zeros(4)})
     from bcp_core import layout
     assert [e.name for e in layout.list_checkpoints(str(root)) if e.complete] == ["step_00000001"]
-    # the same step saved again, failing so: the checkpoint it was to replace is back, whole
-    failures = []
-    committed = (root / "step_00000001" / "bcp_metadata.json").read_bytes()
-
-    def fsync_dir_once(fd, shown):  # once the new metadata is in place
-        if shown.endswith("step_00000001") and not failures and \
-                (root / "step_00000001" / "bcp_metadata.json").read_bytes() != committed:
-            failures.append(shown)
-            raise bcp.StorageError(f"fsync of directory {shown} failed: Input/output error")
-        return real(fd, shown)
-    monkeypatch.setattr(local, "_fsync_dir", fsync_dir_once)
+    # the same step saved again, failing so (once the new metadata is in place): the checkpoint it
+    # was to replace is back, whole
+    failures.clear()
+    meta = root / "step_00000001" / "bcp_metadata.json"
+    committed = meta.read_bytes()
+    monkeypatch.setattr(local, "_fsync_dir", fsync_failing(1, lambda: not failures and meta.read_bytes() != committed))
     with pytest.raises(bcp.SaveError, match="Input/output error"):
-        bcp.save(str(root), {"w": torch.full((4,), 3.0)}, step=1).wait()
+        bcp.save(str(root), {"w": torch.full((4,), 3.0)}, step=1)
     monkeypatch.undo()
     target = {"w": torch.zeros(4)}
     bcp.load(str(root / "step_00000001"), target)
@@ -647,7 +649,7 @@ def test_a_damaged_checkpoint_is_replaced_by_a_save_to_its_path(tmp_path, monkey
         else:
             monkeypatch.setenv("BCP_MAX_METADATA_BYTES", str(1 << 20))
             os.truncate(meta, 2 << 20)
-        bcp.save(path, {"w": torch.full((4,), 2.0)}, role=f"again-{damage}").wait()
+        bcp.save(path, {"w": torch.full((4,), 2.0)}, role=f"again-{damage}")
         target = {"w": torch.zeros(4)}
         bcp.load(path, target)
         assert torch.equal(target["w"], torch.full((4,), 2.0)), damage
@@ -661,7 +663,7 @@ def test_a_write_that_writes_nothing_fails_the_save_instead_of_looping(tmp_path,
     from bcp_core.storage import local_writer
     monkeypatch.setattr(local_writer.os, "pwrite", lambda fd, data, pos: 0)
     with pytest.raises(bcp.SaveError, match="wrote nothing"):
-        bcp.save(str(tmp_path / "c"), {"w": torch.ones(1 << 16)}).wait()
+        bcp.save(str(tmp_path / "c"), {"w": torch.ones(1 << 16)})
 
 
 def test_local_parallel_chunks(tmp_path, small_io):
