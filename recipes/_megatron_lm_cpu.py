@@ -34,6 +34,11 @@ def wheel_helpers_so() -> str | None:
     in 0.16.1, 0.17.1 and 0.19.0; the trees hold it uncompiled): in site-packages, or in a directory
     on the path that the wheel was installed into (`pip install --target`, as on the GPU machine)."""
     for where in [site_packages(), *sys.path]:
+        if os.path.exists(os.path.join(where or ".", "pretrain_gpt.py")):
+            # a Megatron-LM tree: on a GPU its first run `make`s its own build there, against whatever
+            # pybind11 the machine has; loaded by the next run, that build crashed torch's import on an
+            # H200 (2026-11-28)
+            continue
         found = sorted(glob.glob(os.path.join(where or ".", "megatron", "core", "datasets", "helpers_cpp*.so")))
         if found:
             return found[0]
@@ -47,6 +52,7 @@ def use_wheel_helpers() -> bool:
     so = wheel_helpers_so()
     if so is None:
         return False
+    import torch  # noqa: F401 - torch's pybind11 extension first, as in a Megatron process that imports it
     name = "megatron.core.datasets.helpers_cpp"
     spec = importlib.util.spec_from_file_location(name, so)
     module = importlib.util.module_from_spec(spec)

@@ -222,6 +222,7 @@ class Job:
                os.path.join(JOBS, name), *args]
         full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
         full_env.update(env or {})
+        full_env.setdefault("PYTHONFAULTHANDLER", "1")  # a worker killed by a signal prints its stacks
         self.name = name
         self._out = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(cmd, env=full_env, stdout=self._out, stderr=subprocess.STDOUT, text=True,

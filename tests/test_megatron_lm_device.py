@@ -24,6 +24,8 @@ import megatron_releases
 megatron_releases.skip_without_megatron_core()
 
 import importlib.util  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -55,3 +57,28 @@ def test_pretrain_gpt_resumes_bit_identical(device, tmp_path):
     assert resumed.losses == {i: reference.losses[i] for i in range(SAVE_INTERVAL + 1, ITERATIONS + 1)}
     # read whole by bcp in this process, on the CPU: every tensor of both, compared bit for bit
     assert_same_checkpoint(iteration_dir(first, ITERATIONS), iteration_dir(second, ITERATIONS), "bcp")
+
+
+def test_dataset_helpers_come_from_the_wheel_not_a_tree_that_built_its_own(tmp_path, monkeypatch):
+    """On a GPU nothing stubs Megatron-LM's start-up `make` of its dataset helpers: the first launch
+    builds them into the tree, against the machine's pybind11. The next launch must still load the
+    wheel's build (the tree's crashed torch's import on an H200), though the tree comes first on the path."""
+    import megatron_lm_cpu  # noqa: F401 - puts recipes/ on the path
+    import _megatron_lm_cpu
+
+    def helpers(root):
+        os.makedirs(root / "megatron" / "core" / "datasets")
+        so = root / "megatron" / "core" / "datasets" / "helpers_cpp.cpython-312-x86_64-linux-gnu.so"
+        so.write_bytes(b"")
+        return str(so)
+
+    tree, target, empty = tmp_path / "core_v0.16.1", tmp_path / "bcp_site", tmp_path / "site-packages"
+    helpers(tree)
+    (tree / "pretrain_gpt.py").write_text("")
+    wheel = helpers(target)
+    empty.mkdir()
+    monkeypatch.setattr(_megatron_lm_cpu, "site_packages", lambda: str(empty))
+    monkeypatch.setattr(sys, "path", [str(tree), str(target)])
+    assert _megatron_lm_cpu.wheel_helpers_so() == wheel
+    monkeypatch.setattr(sys, "path", [str(tree)])
+    assert _megatron_lm_cpu.wheel_helpers_so() is None

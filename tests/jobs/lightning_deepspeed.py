@@ -57,6 +57,15 @@ class LM(L.LightningModule):
         return PackedTokenLoader(DOCS, seq_len=8, batch_size=4, dp_rank=dp.get("rank", 0),
                                  dp_size=dp.get("num_replicas", 1), seed=0)
 
+    def on_train_end(self):
+        # before the strategy's teardown moves the optimizer's state to the CPU, where NCCL cannot gather it
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+        self.final = {"model": {}, "optimizer": {}}
+        for n, prm in self.named_parameters():
+            self.final["model"][n] = safe_get_full_fp32_param(prm).detach().cpu()
+            self.final["optimizer"][n] = {k: safe_get_full_optimizer_state(prm, k).detach().cpu()
+                                          for k in ("exp_avg", "exp_avg_sq")}
+
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
 
@@ -76,16 +85,8 @@ def main() -> None:
                                                    filename="{step}")])
     lm = LM()
     trainer.fit(lm, ckpt_path=args.resume)
-
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-    values, moments = {}, {}
-    for n, prm in lm.named_parameters():
-        values[n] = safe_get_full_fp32_param(prm).detach().cpu()
-        moments[n] = {k: safe_get_full_optimizer_state(prm, k).detach().cpu() for k in ("exp_avg", "exp_avg_sq")}
     if trainer.is_global_zero:
-        torch.save({"model": values, "optimizer": moments, "global_step": trainer.global_step},
-                   os.path.join(args.root, "final.pt"))
-
+        torch.save({**lm.final, "global_step": trainer.global_step}, os.path.join(args.root, "final.pt"))
 
 if __name__ == "__main__":
     main()
