@@ -242,8 +242,8 @@ def test_checkpoint_is_a_megatron_and_a_bcp_checkpoint(gpt_run):
         assert json.load(f)["sharded_backend"] == "bcp"
     md = bcp.inspect(path)
     assert md.framework == "megatron"
-    # Megatron's non-sharded values: common.pt (written by Megatron up to 0.18), or bcp's object (0.19+)
-    assert os.path.exists(os.path.join(path, "common.pt")) != ("common_state/shard_0_1" in md.sharded_objects)
+    # Megatron's non-sharded values: bcp's object, inside its commit, on every release (no common.pt)
+    assert "common_state/shard_0_1" in md.sharded_objects and not os.path.exists(os.path.join(path, "common.pt"))
     assert not os.path.exists(os.path.join(path, ".metadata"))  # nothing of torch_dist
     # replicated boxes written once, by both ranks (balanced), never all by the coordinator
     ranks = {p.rank for tm in md.tensors.values() for p in tm.pieces}

@@ -309,27 +309,38 @@ def _async_queue_cases(rank, world, root) -> dict:
 
 
 def _write_error_cases(rank, world, root) -> dict:
-    """Last: from here on, rank 1's data writes fail (ENOSPC) in every save."""
+    """Last: from here on, rank 1's data writes fail (ENOSPC) in every save. Saves into new
+    directories, and saves again into directories holding a committed checkpoint (with other
+    non-sharded values: up to 0.18 Megatron writes those to common.pt before the sharded part)."""
     from megatron.core import dist_checkpointing as dc
 
     from faults import install_from_env
+
+    def state(value):
+        return {**{f"key{i}": dc.ShardedTensor.from_rank_offsets(f"key{i}_rank{rank}", torch.full((2, 4), value))
+                   for i in range(4)}, "common": {"step": int(value)}}
+
+    def save(ckpt, value, mode):
+        request = dc.save(state(value), ckpt, sharded_strategy=("bcp", 1), async_sharded_save=mode == "async")
+        if request is not None:
+            request.execute_sync()
+    replaced = {mode: _dir(root, f"write_error_replaced_{mode}") for mode in ("sync", "async")}
+    for mode, ckpt in replaced.items():
+        save(ckpt, 1.0, mode)
     os.environ["BCP_TEST_FAULT"] = "write:rank=1"
     install_from_env()
     out = {}
-
-    def state():
-        return {f"key{i}": dc.ShardedTensor.from_rank_offsets(f"key{i}_rank{rank}", torch.ones(2, 4))
-                for i in range(4)}
-    ckpt = _dir(root, "write_error_sync")
-    out["sync"] = _error(lambda: dc.save(state(), ckpt, sharded_strategy=("bcp", 1)))
-    out["sync_metadata_json"] = os.path.exists(os.path.join(ckpt, "metadata.json"))
-    ckpt = _dir(root, "write_error_async")
-
-    def async_save():
-        request = dc.save(state(), ckpt, sharded_strategy=("bcp", 1), async_sharded_save=True)
-        request.execute_sync()
-    out["async"] = _error(async_save)
-    out["async_metadata_json"] = os.path.exists(os.path.join(ckpt, "metadata.json"))
+    for mode in ("sync", "async"):
+        ckpt = _dir(root, f"write_error_{mode}")
+        out[mode] = _error(lambda: save(ckpt, 2.0, mode))
+        out[f"{mode}_metadata_json"] = os.path.exists(os.path.join(ckpt, "metadata.json"))
+        ckpt = replaced[mode]
+        out[f"{mode}_again"] = _error(lambda: save(ckpt, 2.0, mode))
+        got = dc.load(state(-1.0), ckpt)
+        out[f"{mode}_kept"] = {"common": dc.load_common_state_dict(ckpt), "loaded_common": got["common"],
+                               "tensors": sorted({v for k, t in got.items() if k != "common"
+                                                  for v in t.flatten().tolist()}),
+                               "common_pt": os.path.exists(os.path.join(ckpt, "common.pt"))}
     return out
 
 
@@ -546,6 +557,11 @@ def test_write_failure_on_one_rank_fails_the_save_on_every_rank_sync_and_async(r
             assert e["megatron"] and e["torch"] and e["cause"] == "SaveError", (rank, mode, e)
             assert "rank 1" in e["message"] and "No space left on device" in e["message"], (rank, mode, e)
             assert not r[f"{mode}_metadata_json"], (rank, mode)  # Megatron never marked it complete
+            # saving again into a committed checkpoint, failing: what loads is still that checkpoint, whole
+            again = r[f"{mode}_again"]
+            assert again["megatron"] and "rank 1" in again["message"], (rank, mode, again)
+            assert r[f"{mode}_kept"] == {"common": {"common": {"step": 1}}, "loaded_common": {"step": 1},
+                                         "tensors": [1.0], "common_pt": False}, (rank, mode, r[f"{mode}_kept"])
 
 
 # ----------------------------------------------------------------------------- single process

@@ -206,15 +206,18 @@ class MappedCheckpoint:
         return tuple(self.source.tensors[self.mapping.source_keys.weight_key(name)].shape)
 
     def _step(self) -> int:
-        """The source's single step counter (Megatron: the optimizer's param groups in common.pt)."""
+        """The source's single step counter (Megatron: the optimizer's param groups in its common
+        state): the object, committed with the checkpoint, before the file, which older saves wrote."""
         m = self.mapping
         if m.step is not None:
             return m.step
         keys = m.source_keys
-        name = keys.common_file if keys.common_file and self.storage is not None \
-            and self.storage.exists(keys.common_file) else None
-        if name is None and keys.common_object in self.source.sharded_objects and self.storage is not None:
-            name = keys.common_object
+        name = None
+        if self.storage is not None:
+            if keys.common_object in self.source.sharded_objects:
+                name = keys.common_object
+            elif keys.common_file and self.storage.exists(keys.common_file):
+                name = keys.common_file
         found: set = set()
         if name is not None:
             try:

@@ -109,8 +109,9 @@ def megatron_scheme() -> KeyScheme:
     """Megatron-core's sharded state dict keys; DistributedOptimizer state in its `fully_reshardable`
     layout (`optimizer.state.<state>.<param key>`, fp32 master copy `param`; saved by a chain of
     optimizers without `chained_optim_avoid_prefix`, each key has its optimizer's `chained_<n>.`
-    prefix), the step in Megatron's common state: common.pt up to megatron-core 0.18, the object
-    `common_state` from 0.19 on. The model's tensors: every key but the optimizer's."""
+    prefix), the step in Megatron's common state: the object `common_state` (every bcp save since
+    it moved into the commit; common.pt in earlier saves up to megatron-core 0.18). The model's
+    tensors: every key but the optimizer's."""
     return KeyScheme(weight="{name}", state="optimizer.state.{state}.{name}", master="param",
                      common_file="common.pt", common_object="common_state/shard_0_1", state_prefix=r"chained_\d+\.",
                      model=r"(?!optimizer\.|chained_\d+\.)")

@@ -17,11 +17,13 @@ so that on every release:
   was passed (none, torch_dist's, or its fully parallel wrapper, whose exchange bcp does not need:
   bcp reads each byte range once across the job by itself), and give a torch_dist checkpoint to
   Megatron's default strategy when a bcp one was passed.
-- `load_common_state_dict` reads the non-sharded values of a bcp checkpoint saved by 0.19+, which
-  keeps them in the checkpoint itself rather than in common.pt (0.19 would read them with torch DCP).
-- up to 0.18, the common.pt of a bcp save is written by bcp (`strategy.common_state_bytes`: enum
-  members pickled by value, so that Megatron's own torch.load(weights_only=True) reads it whichever
-  Python wrote it), atomically; Megatron's loads read it unchanged. torch_dist saves are left alone.
+- Megatron's non-sharded values (its `args`, iteration...) of a bcp save are kept in the checkpoint
+  itself, committed with the sharded part, on every release: up to 0.18 Megatron's writer of
+  common.pt, called before the sharded save, hands them to that save instead
+  (`strategy.saving_common_state`); 0.19 passes them to the strategy. `load_common_state_dict`,
+  and up to 0.18 Megatron's reader of common.pt, read them from there (0.19 would read them with
+  torch DCP; a checkpoint of an earlier bcp that left them in common.pt is read as before).
+  torch_dist saves are left alone.
 
 Megatron's `AsyncCallsQueue` watches a bcp save's async request by bcp's commit (`strategy.CommitCaller`):
 it has no writer process for the queue to watch.
@@ -32,11 +34,10 @@ when a Megatron release lacks what this relies on.
 
 from __future__ import annotations
 
-import contextvars
+import contextlib
 import functools
 import importlib
 import inspect
-import os
 
 import torch
 from megatron.core import dist_checkpointing
@@ -48,17 +49,15 @@ from megatron.core.dist_checkpointing.strategies import fully_parallel
 from megatron.core.dist_checkpointing.strategies import torch as megatron_torch
 
 from bcp_core.errors import UnsupportedFrameworkError
-from bcp_core.storage import storage_for
 
 from . import megatron_lm
-from .strategy import (BACKEND, VERSION, BcpLoadShardedStrategy, BcpSaveShardedStrategy, CommitCaller, CommitWait,
-                       common_state_bytes, read_common_state)
+from .strategy import (BACKEND, VERSION, BcpLoadShardedStrategy, BcpSaveShardedStrategy,
+                       CommitCaller, CommitWait, holds_common_state, keep_common_state, read_common_state,
+                       saving_common_state)
 
 SUPPORTED = "megatron-core 0.16 to 0.19"
 _LOADS = ("load", "load_tensors_metadata", "load_sharded_metadata")
 _ROUTED = "__bcp_routed__"
-COMMON_FILE = "common.pt"  # Megatron's COMMON_STATE_FNAME
-_saving_bcp = contextvars.ContextVar("bcp_megatron_save", default=False)  # inside a routed bcp save
 
 
 def check_api() -> None:
@@ -161,11 +160,8 @@ def _routed_save(original):
         strategy = save_strategy_for(bound.arguments.get("sharded_strategy"))
         bound.arguments["sharded_strategy"] = strategy
         bcp_save = isinstance(strategy, BcpSaveShardedStrategy)
-        token = _saving_bcp.set(bcp_save)
-        try:
+        with saving_common_state() if bcp_save else contextlib.nullcontext():
             request = original(*bound.args, **bound.kwargs)
-        finally:
-            _saving_bcp.reset(token)
         if bcp_save:
             checkpoint_dir = bound.arguments["checkpoint_dir"]
             if request is None:
@@ -208,30 +204,39 @@ def _registry():
     return base if hasattr(base, "register_default_strategy") else None
 
 
+def _common_state_in_checkpoint(checkpoint_dir) -> bool:
+    config = maybe_load_config(str(checkpoint_dir))
+    return config is not None and config.sharded_backend == BACKEND and holds_common_state(checkpoint_dir)
+
+
 def _routed_common_state(original):
+    """`load_common_state_dict`, and up to 0.18 Megatron's reader of common.pt (0.16:
+    `TorchCommonLoadStrategy.load_common`; 0.17, 0.18: `serialization.load_common`): a bcp
+    checkpoint's own object where it holds one."""
+    parameters = list(inspect.signature(original).parameters)
+    method = parameters[:1] == ["self"]
+
     @functools.wraps(original)
-    def load_common_state_dict(checkpoint_dir, *args, **kwargs):
-        config = maybe_load_config(str(checkpoint_dir))
-        if config is not None and config.sharded_backend == BACKEND and \
-                not os.path.exists(os.path.join(str(checkpoint_dir), "common.pt")):
+    def load_common(*args, **kwargs):
+        checkpoint_dir = kwargs.get("checkpoint_dir", args[1 if method else 0] if len(args) > method else None)
+        if checkpoint_dir is not None and _common_state_in_checkpoint(checkpoint_dir):
             return read_common_state(checkpoint_dir)
-        return original(checkpoint_dir, *args, **kwargs)
-    return load_common_state_dict
+        return original(*args, **kwargs)
+    return load_common
 
 
 def _routed_common_save(original):
     """Megatron's writer of common.pt (0.16: `TorchCommonSaveStrategy.save_common`; 0.17, 0.18:
-    `serialization.save_common`): bcp's during a bcp save, on rank 0 as Megatron's."""
+    `serialization.save_common`): during a bcp save, rank 0 hands the values to that save
+    (`strategy.keep_common_state`), and no common.pt is written."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def save_common(*args, **kwargs):
-        if not _saving_bcp.get():
-            return original(*args, **kwargs)
-        bound = signature.bind(*args, **kwargs)
-        if torch.distributed.get_rank() == 0:
-            data = common_state_bytes(bound.arguments["common_state_dict"])
-            storage_for(str(bound.arguments["checkpoint_dir"])).write_atomic(COMMON_FILE, data)
+        common_state = signature.bind(*args, **kwargs).arguments["common_state_dict"]
+        if torch.distributed.get_rank() == 0 and keep_common_state(common_state):
+            return None
+        return original(*args, **kwargs)  # writes on rank 0 only
     return save_common
 
 
@@ -269,5 +274,7 @@ def install() -> None:
     _wrap(async_utils.AsyncCallsQueue, "schedule_async_request", _routed_schedule)
     if hasattr(serialization, "save_common"):  # 0.17, 0.18 (0.19 writes no common.pt)
         _wrap(serialization, "save_common", _routed_common_save)
+        _wrap(serialization, "load_common", _routed_common_state)
     elif hasattr(megatron_common, "TorchCommonSaveStrategy"):  # 0.16
         _wrap(megatron_common.TorchCommonSaveStrategy, "save_common", _routed_common_save)
+        _wrap(megatron_common.TorchCommonLoadStrategy, "load_common", _routed_common_state)

@@ -6,9 +6,12 @@
 
 Megatron writes `metadata.json` in `ckpt_dir` after the strategy returns (after the async request's
 finalize functions, for async saves), so a directory without it was never completed; bcp writes
-`bcp_metadata.json` and `data/`. Megatron's non-sharded values are in `common.pt` (up to 0.18;
-for a bcp save bcp writes it, routing.py) or, from 0.19 on, a bcp object (`read_common_state`):
-torch.save bytes either way, enum members pickled by value (`common_state_bytes`).
+`bcp_metadata.json` and `data/`. Megatron's non-sharded values are the bcp object `common_state`
+(`read_common_state`), inside bcp's commit, on every release: 0.19 hands them to the strategy as
+that object; up to 0.18 Megatron's save would write them to `common.pt` before the sharded part,
+outside any commit, so the routing hands them here instead (`saving_common_state`). torch.save
+bytes, enum members pickled by value (`common_state_bytes`). Checkpoints of earlier bcp releases
+keep them in `common.pt`, which the routed loads still read.
 
 The strategies subclass Megatron's torch_dist ones: from 0.17 on, `dist_checkpointing.save` replaces
 any strategy that is not a `TorchDistSaveShardedStrategy` by a new torch_dist one, and 0.19 has no
@@ -17,6 +20,8 @@ other base class left. Every method Megatron calls is overridden; nothing of tor
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import enum
 import io
@@ -28,9 +33,11 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+from megatron.core.dist_checkpointing import serialization
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
-from megatron.core.dist_checkpointing.strategies import async_utils, torch as megatron_torch
+from megatron.core.dist_checkpointing.strategies import async_utils, common as megatron_common
+from megatron.core.dist_checkpointing.strategies import torch as megatron_torch
 from torch.distributed.checkpoint import CheckpointException as TorchCheckpointException
 
 import bcp_core as bcp
@@ -42,9 +49,15 @@ from .adapter import load, save
 
 BACKEND, VERSION = "bcp", 1
 
-# 0.19 hands Megatron's non-sharded values to the strategy as this ShardedObject (earlier releases
-# write them to common.pt themselves).
+# 0.19 hands Megatron's non-sharded values to the strategy as this ShardedObject; for earlier
+# releases, which write them to common.pt themselves, bcp stores them as the same object.
 COMMON_STATE_KEY = "common_state"
+# up to 0.18 (0.16: TorchCommonSaveStrategy; 0.17, 0.18: serialization.save_common)
+MEGATRON_WRITES_COMMON_PT = hasattr(serialization, "save_common") or hasattr(megatron_common,
+                                                                              "TorchCommonSaveStrategy")
+# Megatron's non-sharded values of the dist_checkpointing.save running in this context (up to 0.18)
+_common_state_of_save: contextvars.ContextVar[dict | None] = contextvars.ContextVar("bcp_megatron_common_state",
+                                                                                      default=None)
 
 
 class BcpCheckpointingException(CheckpointingException, TorchCheckpointException):
@@ -115,9 +128,48 @@ def _common_state_as_bytes(sharded_state_dict: dict) -> None:
         sharded_state_dict[COMMON_STATE_KEY] = dataclasses.replace(common, data=common_state_bytes(common.data))
 
 
+@contextlib.contextmanager
+def saving_common_state():
+    """Around a `dist_checkpointing.save` with a bcp strategy (routing.py): Megatron's non-sharded
+    values, given to `keep_common_state` by the routed writer of common.pt, go into this save's
+    checkpoint as the object COMMON_STATE_KEY, committed with the sharded part."""
+    token = _common_state_of_save.set({})
+    try:
+        yield
+    finally:
+        _common_state_of_save.reset(token)
+
+
+def keep_common_state(common_state) -> bool:
+    """Megatron's non-sharded values for the bcp save running in this context; False outside one."""
+    pending = _common_state_of_save.get()
+    if pending is None:
+        return False
+    pending["data"] = common_state_bytes(common_state)
+    return True
+
+
+def _with_common_state(sharded_state_dict: dict) -> dict:
+    """The sharded state dict of a save, with the non-sharded values kept for it (up to 0.18, rank 0)."""
+    data = (_common_state_of_save.get() or {}).get("data")
+    if data is None:
+        return sharded_state_dict
+    if COMMON_STATE_KEY in sharded_state_dict:
+        raise CheckpointingException(f"the sharded state dict has a key {COMMON_STATE_KEY!r}, which bcp keeps for "
+                                     "Megatron's non-sharded values")
+    return {**sharded_state_dict, COMMON_STATE_KEY: ShardedObject(COMMON_STATE_KEY, data, (1,), (0,), replica_id=0)}
+
+
+def holds_common_state(checkpoint_dir) -> bool:
+    """Whether a bcp checkpoint holds Megatron's non-sharded values as its object (every bcp save
+    since they moved into the commit; earlier ones up to 0.18 left them in common.pt)."""
+    md = _translated("metadata read", checkpoint_dir, bcp.inspect, str(checkpoint_dir))
+    return any(key.split("/")[0] == COMMON_STATE_KEY for key in md.sharded_objects)
+
+
 def read_common_state(checkpoint_dir) -> dict:
-    """Megatron's non-sharded values of a bcp checkpoint saved by megatron-core 0.19+ (earlier
-    releases keep them in common.pt). Reads on this rank alone: Megatron-LM asks on rank 0 only."""
+    """Megatron's non-sharded values kept in a bcp checkpoint as its object COMMON_STATE_KEY. Reads
+    on this rank alone: Megatron-LM asks on rank 0 only."""
     target = ShardedObject(COMMON_STATE_KEY, None, (1,), (0,), replica_id=0)
     loaded = _translated("load", checkpoint_dir, load, {COMMON_STATE_KEY: target}, checkpoint_dir, strict=True,
                          share_reads=False)[COMMON_STATE_KEY]
@@ -197,6 +249,7 @@ class BcpSaveShardedStrategy(megatron_torch.TorchDistSaveShardedStrategy):
         return True
 
     def _save(self, sharded_state_dict, checkpoint_dir, async_save: bool) -> bcp.SaveHandle:
+        sharded_state_dict = _with_common_state(sharded_state_dict)
         _common_state_as_bytes(sharded_state_dict)
         return save(sharded_state_dict, checkpoint_dir, async_save=async_save, process_group=self.process_group,
                     allow_pickle=self.allow_pickle, num_threads=self.num_threads, timeout=self.timeout)
@@ -259,11 +312,14 @@ class BcpLoadShardedStrategy(megatron_torch.TorchDistLoadShardedStrategy):
         return _tensors_metadata(_translated("metadata read", checkpoint_dir, bcp.inspect, str(checkpoint_dir)))
 
     def load_sharded_metadata(self, checkpoint_dir: str | Path):
-        """Tensors as in `load_tensors_metadata`, plus one data-less ShardedObject per saved shard."""
+        """Tensors as in `load_tensors_metadata`, plus one data-less ShardedObject per saved shard.
+        Up to 0.18 without Megatron's non-sharded values (its strict checks would take the object
+        for a key the caller forgot; 0.19 leaves it out of them itself)."""
         md = _translated("metadata read", checkpoint_dir, bcp.inspect, str(checkpoint_dir))
         out = {}
         for unique_key in md.sharded_objects:  # saved under Megatron's unique keys
-            out[unique_key] = ShardedObject.empty_from_unique_key(unique_key)
+            if not (MEGATRON_WRITES_COMMON_PT and unique_key.split("/")[0] == COMMON_STATE_KEY):
+                out[unique_key] = ShardedObject.empty_from_unique_key(unique_key)
         out.update(_tensors_metadata(md))
         return out
 
