@@ -23,8 +23,8 @@ TOTAL_S=${BCP_GPU_CHECK_S:-560}   # everything, from the install to the summary
 TESTS_S=${BCP_GPU_TESTS_S:-330}   # the tests at most (0: no tests)
 INTEGRATIONS_S=${BCP_GPU_INTEGRATIONS_S:-80}  # the integrations' bench at most (0: none); bench/gpu.py gets the rest
 BENCH_GIB=${BCP_GPU_GIB:-4}       # state sizes of bench/gpu.py, smallest first (BCP_GPU_SYSTEMS: its systems, bcp,dcp)
-# the files whose cuda tests have not all passed on a GPU yet first, so a run cut short still tells
-TEST_FILES=${BCP_GPU_TEST_FILES:-tests/test_cuda_deepspeed.py tests/test_megatron_lm_device.py tests/test_device_integrations.py tests/test_cuda.py}
+# the files whose cuda tests have not all passed on a GPU yet first (Megatron-LM's), so a run cut short still tells
+TEST_FILES=${BCP_GPU_TEST_FILES:-tests/test_megatron_lm_device.py tests/test_cuda_deepspeed.py tests/test_device_integrations.py tests/test_cuda.py}
 
 if [ "${1:-}" = --print-wheels ]; then
     echo "$WHEELS"
