@@ -344,6 +344,26 @@ def _write_error_cases(rank, world, root) -> dict:
     return out
 
 
+def _older_common_pt_cases(rank, world, root) -> dict:
+    """A checkpoint of an earlier bcp (up to 0.18): Megatron's non-sharded values in common.pt, no
+    object in the checkpoint. Megatron's loads still read them there."""
+    from megatron.core import dist_checkpointing as dc
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+
+    from bcp_integrations.megatron import BcpSaveShardedStrategy
+
+    def state(value):
+        return {"w": dc.ShardedTensor.from_rank_offsets("w", torch.full((2,), value + rank), (0, rank, world))}
+    ckpt = _dir(root, "older_common_pt")
+    BcpSaveShardedStrategy().save(state(3.0), ckpt)  # the strategy alone: nothing but the sharded part
+    if rank == 0:
+        torch.save({"common": {"step": 3}}, os.path.join(ckpt, "common.pt"))
+        save_config(CheckpointingConfig("bcp", 1), ckpt)
+    torch.distributed.barrier()
+    got = dc.load({**state(-1.0), "common": None}, ckpt)
+    return {"common": dc.load_common_state_dict(ckpt), "loaded_common": got["common"], "w": got["w"].tolist()}
+
+
 def _written_format(ckpt: str) -> dict:
     """What a save left in `ckpt`: the backend metadata.json names, and whose files are there."""
     import json
@@ -410,7 +430,8 @@ def _contract(rank: int, world: int, root: str, release: str) -> dict:
     report = {}
     for name, case in (("strict", _strict_cases), ("metadata", _metadata_cases), ("shapes", _shape_cases),
                        ("saves", _save_cases), ("formats", _format_cases), ("common_state", _common_state_cases),
-                       ("async_queue", _async_queue_cases), ("write_error", _write_error_cases)):
+                       ("async_queue", _async_queue_cases), ("older_common_pt", _older_common_pt_cases),
+                       ("write_error", _write_error_cases)):
         try:
             report[name] = case(rank, world, root)
         except Exception:  # noqa: BLE001 - reported to the test that owns the case
@@ -562,6 +583,11 @@ def test_write_failure_on_one_rank_fails_the_save_on_every_rank_sync_and_async(r
             assert again["megatron"] and "rank 1" in again["message"], (rank, mode, again)
             assert r[f"{mode}_kept"] == {"common": {"common": {"step": 1}}, "loaded_common": {"step": 1},
                                          "tensors": [1.0], "common_pt": False}, (rank, mode, r[f"{mode}_kept"])
+
+
+def test_an_earlier_bcp_checkpoint_with_common_pt_loads(reports):
+    for rank, r in enumerate(_case(reports, "older_common_pt")):
+        assert r == {"common": {"common": {"step": 3}}, "loaded_common": {"step": 3}, "w": [3.0 + rank] * 2}, (rank, r)
 
 
 # ----------------------------------------------------------------------------- single process

@@ -38,6 +38,7 @@ import contextlib
 import functools
 import importlib
 import inspect
+import os
 
 import torch
 from megatron.core import dist_checkpointing
@@ -48,16 +49,17 @@ from megatron.core.dist_checkpointing.strategies import common as megatron_commo
 from megatron.core.dist_checkpointing.strategies import fully_parallel
 from megatron.core.dist_checkpointing.strategies import torch as megatron_torch
 
-from bcp_core.errors import UnsupportedFrameworkError
+from bcp_core.errors import KeyMismatchError, UnsupportedFrameworkError
 
 from . import megatron_lm
 from .strategy import (BACKEND, VERSION, BcpLoadShardedStrategy, BcpSaveShardedStrategy,
-                       CommitCaller, CommitWait, holds_common_state, keep_common_state, read_common_state,
+                       BcpCheckpointingException, CommitCaller, CommitWait, keep_common_state, read_common_state,
                        saving_common_state)
 
 SUPPORTED = "megatron-core 0.16 to 0.19"
 _LOADS = ("load", "load_tensors_metadata", "load_sharded_metadata")
 _ROUTED = "__bcp_routed__"
+COMMON_FILE = "common.pt"  # Megatron's COMMON_STATE_FNAME, where an earlier bcp left the values up to 0.18
 
 
 def check_api() -> None:
@@ -204,24 +206,26 @@ def _registry():
     return base if hasattr(base, "register_default_strategy") else None
 
 
-def _common_state_in_checkpoint(checkpoint_dir) -> bool:
-    config = maybe_load_config(str(checkpoint_dir))
-    return config is not None and config.sharded_backend == BACKEND and holds_common_state(checkpoint_dir)
-
-
 def _routed_common_state(original):
     """`load_common_state_dict`, and up to 0.18 Megatron's reader of common.pt (0.16:
     `TorchCommonLoadStrategy.load_common`; 0.17, 0.18: `serialization.load_common`): a bcp
-    checkpoint's own object where it holds one."""
+    checkpoint's own object, or where it has none (an earlier bcp's save up to 0.18), common.pt."""
     parameters = list(inspect.signature(original).parameters)
     method = parameters[:1] == ["self"]
 
     @functools.wraps(original)
     def load_common(*args, **kwargs):
         checkpoint_dir = kwargs.get("checkpoint_dir", args[1 if method else 0] if len(args) > method else None)
-        if checkpoint_dir is not None and _common_state_in_checkpoint(checkpoint_dir):
+        config = None if checkpoint_dir is None else maybe_load_config(str(checkpoint_dir))
+        if config is None or config.sharded_backend != BACKEND:
+            return original(*args, **kwargs)
+        try:
             return read_common_state(checkpoint_dir)
-        return original(*args, **kwargs)
+        except BcpCheckpointingException as e:
+            if isinstance(e.__cause__, KeyMismatchError) and \
+                    os.path.exists(os.path.join(str(checkpoint_dir), COMMON_FILE)):
+                return original(*args, **kwargs)
+            raise
     return load_common
 
 

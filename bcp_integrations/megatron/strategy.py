@@ -160,13 +160,6 @@ def _with_common_state(sharded_state_dict: dict) -> dict:
     return {**sharded_state_dict, COMMON_STATE_KEY: ShardedObject(COMMON_STATE_KEY, data, (1,), (0,), replica_id=0)}
 
 
-def holds_common_state(checkpoint_dir) -> bool:
-    """Whether a bcp checkpoint holds Megatron's non-sharded values as its object (every bcp save
-    since they moved into the commit; earlier ones up to 0.18 left them in common.pt)."""
-    md = _translated("metadata read", checkpoint_dir, bcp.inspect, str(checkpoint_dir))
-    return any(key.split("/")[0] == COMMON_STATE_KEY for key in md.sharded_objects)
-
-
 def read_common_state(checkpoint_dir) -> dict:
     """Megatron's non-sharded values kept in a bcp checkpoint as its object COMMON_STATE_KEY. Reads
     on this rank alone: Megatron-LM asks on rank 0 only."""
