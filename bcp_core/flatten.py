@@ -73,6 +73,12 @@ class LoadTargets:
 class StateAdapter(Protocol):
     """What flattening asks of a framework adapter about the state's modules and optimizers."""
 
+    def state_to_save(self, state: dict) -> dict:
+        """The state to flatten for a save, from the one the caller passed: itself, but for a
+        framework whose state is of its own kind (Megatron's sharded state dict). Runs inside the
+        save's exchange of errors, so that an error here on one rank fails the save on every rank
+        at once."""
+
     def is_optimizer(self, obj: Any) -> bool:
         """Whether `obj` is an optimizer this adapter saves by parameter FQN (a torch optimizer, or a
         framework's own, such as DeepSpeed's ZeRO optimizers)."""
@@ -139,6 +145,7 @@ def _parameter_storages(state: dict, adapter: StateAdapter) -> set[int]:
 def save_leaves(state: dict, adapter: StateAdapter) -> list[SaveLeaf]:
     if not isinstance(state, dict):
         raise UnsupportedValueError(f"state must be a dict, got {type(state).__name__}")
+    state = adapter.state_to_save(state)
     fqn_of = _fqn_map(adapter, state)
     params = _parameter_storages(state, adapter)
     leaves: list[SaveLeaf] = []

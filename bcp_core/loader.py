@@ -82,14 +82,16 @@ def load_checkpoint(path: str | os.PathLike | Storage, state: dict, framework: s
                     num_threads: int = 4, share_reads: bool | None = None,
                     timeout: timedelta = DEFAULT_TIMEOUT, mapping: Any = None,
                     prefetch: Callable[[tuple, BaseException | None], None] | None = None,
-                    metadata: CheckpointMetadata | None = None) -> LoadResult:
+                    metadata: CheckpointMetadata | None = None, failure: Exception | None = None) -> LoadResult:
     """`bcp_core.load` (see there). `prefetch(items, failure)`, if given, is called on every rank once
     the read items are planned (with this rank's planning error, if any), before a byte is read:
     a tiered load brings the ranges they need from other nodes then (tiers/recovery.py). It raises
     on every rank if any rank failed. `metadata`: the checkpoint's, already parsed on every rank
     (a tiered load's), so it is not read and parsed again. `path` may be a Storage: this rank's own
     checkpoint directory, taken as it is (a tiered load passes each node's view of the step, which
-    may lie at another path on each node)."""
+    may lie at another path on each node). `failure`: this rank's error in making `state` (an
+    integration's own planning: Megatron's shapes of a pipeline stage), raised on every rank of a
+    collective load as a planning error is, so that the others do not wait for this one."""
     adapter = resolve_framework(state, framework)
     shared = group_size(process_group) > 1 and (share_reads if share_reads is not None else (
         adapter.loads_together or worth_sharing(_storage(path), process_group, state)))
@@ -98,6 +100,8 @@ def load_checkpoint(path: str | os.PathLike | Storage, state: dict, framework: s
         md = metadata if metadata is not None else read_metadata(st)
         reads = VerifiedReads(st, md.files, md.checksum_block_bytes, verify_checksums)
         try:
+            if failure is not None:
+                raise failure
             plan, targets, values, result = _prepare(st, md, state, adapter, strict, process_group, allow_pickle,
                                                      verify_checksums, mapping)
         except Exception as e:
@@ -121,6 +125,8 @@ def load_checkpoint(path: str | os.PathLike | Storage, state: dict, framework: s
                     md = parse_metadata(st, comm.node_broadcast(lambda: read_metadata_file(st), f"{op}/metadata",
                                                                 "the metadata", timeout))
             reads = VerifiedReads(st, md.files, md.checksum_block_bytes, verify_checksums)
+            if failure is not None:
+                raise failure
             plan, targets, values, result = _prepare(st, md, state, adapter, strict, process_group, allow_pickle,
                                                      verify_checksums, mapping)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others wait

@@ -344,6 +344,31 @@ def _write_error_cases(rank, world, root) -> dict:
     return out
 
 
+def _one_rank_error_cases(rank, world, root) -> dict:
+    """A state that only rank 1 gets wrong, before bcp has read or written a byte: a save whose
+    tensor's data has another dtype than it declares, a load asking for another global shape (a
+    collective load: share_reads=True). Every rank raises at once, naming rank 1, rather than
+    waiting out the timeout (30 s here) for rank 1."""
+    from datetime import timedelta
+
+    from megatron.core import dist_checkpointing as dc
+
+    import bcp_integrations.megatron as bm
+    timeout = timedelta(seconds=30)
+
+    def state(length, dtype=torch.float32):
+        t = dc.ShardedTensor.from_rank_offsets("w", torch.zeros(length), (0, rank, world))
+        t.dtype = dtype
+        return {"w": t}
+    # bcp's own entry point: Megatron's save validates the sharding itself first, raising on rank 0
+    out = {"save": _error(lambda: bm.save(state(2, torch.float16 if rank == 1 else torch.float32),
+                                          _dir(root, "one_rank_error_save"), timeout=timeout).wait())}
+    ckpt = _dir(root, "one_rank_error_load")
+    bm.save(state(2), ckpt, timeout=timeout).wait()
+    out["load"] = _error(lambda: bm.load(state(3 if rank == 1 else 2), ckpt, share_reads=True, timeout=timeout))
+    return out
+
+
 def _older_common_pt_cases(rank, world, root) -> dict:
     """A checkpoint of an earlier bcp (up to 0.18): Megatron's non-sharded values in common.pt, no
     object in the checkpoint. Megatron's loads still read them there."""
@@ -431,6 +456,7 @@ def _contract(rank: int, world: int, root: str, release: str) -> dict:
     for name, case in (("strict", _strict_cases), ("metadata", _metadata_cases), ("shapes", _shape_cases),
                        ("saves", _save_cases), ("formats", _format_cases), ("common_state", _common_state_cases),
                        ("async_queue", _async_queue_cases), ("older_common_pt", _older_common_pt_cases),
+                       ("one_rank_error", _one_rank_error_cases),
                        ("write_error", _write_error_cases)):
         try:
             report[name] = case(rank, world, root)
@@ -583,6 +609,15 @@ def test_write_failure_on_one_rank_fails_the_save_on_every_rank_sync_and_async(r
             assert again["megatron"] and "rank 1" in again["message"], (rank, mode, again)
             assert r[f"{mode}_kept"] == {"common": {"common": {"step": 1}}, "loaded_common": {"step": 1},
                                          "tensors": [1.0], "common_pt": False}, (rank, mode, r[f"{mode}_kept"])
+
+
+def test_a_state_only_one_rank_gets_wrong_fails_every_rank_at_once(reports):
+    for rank, r in enumerate(_case(reports, "one_rank_error")):
+        for op, what in (("save", "dtype"), ("load", "shape")):
+            e = r[op]
+            assert e.get("raised", True), (rank, op)
+            assert what in e["message"] and "waited" not in e["message"], (rank, op, e)
+            assert rank == 1 or "rank 1" in e["message"], (rank, op, e)  # rank 0 hears whose part failed
 
 
 def test_an_earlier_bcp_checkpoint_with_common_pt_loads(reports):

@@ -54,6 +54,9 @@ class ModuleAdapter:
     def matches(self, module: nn.Module) -> bool:
         return True
 
+    def state_to_save(self, state: dict) -> dict:
+        return state
+
     def module_state(self, module: nn.Module) -> dict[str, Any]:
         sd = unwrap(module).state_dict()
         return {clean_fqn(k): v for k, v in sd.items()}

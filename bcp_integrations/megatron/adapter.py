@@ -37,9 +37,10 @@ from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject, 
 import bcp_core as bcp
 from bcp_core.adapters import ModuleAdapter, register_adapter
 from bcp_core.errors import BCPError, ShapeMismatchError
+from bcp_core.loader import load_checkpoint
 from bcp_core.shards import Box, ObjectShard, ShardedView, range_boxes
 from bcp_core.storage import storage_for
-from bcp_core.utils import this_rank
+from bcp_core.utils import load_threads, this_rank
 
 from .layouts import saved_dtypes, saved_tensors, to_saved_layout
 
@@ -367,12 +368,12 @@ def flat_range_sharded_tensors(key: str, flat: torch.Tensor, param: ShardedTenso
 def save(sharded_state_dict: dict, path: str, *, async_save: bool = False, **kwargs) -> bcp.SaveHandle:
     """Save a Megatron sharded state dict with bcp, with or without dist_checkpointing around it.
 
-    Factories are built here (dist_checkpointing has already built them when it calls the
-    strategy); plain values, which dist_checkpointing would put in common.pt, are saved as bcp
-    values. `kwargs` go to `bcp_core.save`.
+    The "megatron" adapter builds the factories (dist_checkpointing has built them already when it
+    calls the strategy) and flattens the state inside the save, so that a bad state on one rank
+    fails the save on every rank at once; plain values, which dist_checkpointing would put in
+    common.pt, are saved as bcp values. `kwargs` go to `bcp_core.save`.
     """
-    built, _ = build_factories(sharded_state_dict)
-    return bcp.save(str(path), save_state(built), framework="megatron", async_save=async_save, **kwargs)
+    return bcp.save(str(path), sharded_state_dict, framework="megatron", async_save=async_save, **kwargs)
 
 
 def load(sharded_state_dict: dict, path: str, *, mapping=None, **kwargs) -> dict:
@@ -393,28 +394,55 @@ def load(sharded_state_dict: dict, path: str, *, mapping=None, **kwargs) -> dict
     the source's (docs/mapping.md). `mapping="auto"` refuses: a Megatron state does not say which
     model family it is.
     """
-    built, factories = build_factories(sharded_state_dict)
-    md = bcp.inspect(str(path))
-    mapped = None
-    if mapping is not None:
-        from bcp_core.mapping import resolve_mapping
-        m = resolve_mapping(mapping, md, {}, _ADAPTER)
-        if m is not None:
-            mapped = m.bind(md, storage_for(str(path)))
-            md = mapped.metadata
-    keys = {v.key for _, v in iter_leaves(built) if isinstance(v, ShardedTensor)}
-    plan = load_state(built, {k: tm.shape for k, tm in saved_tensors(keys, md).items()}, saved_dtypes(keys, md))
-    state = plan.state
-    if mapped is not None:  # only tensors come through a mapping; the rest stays the target's
-        state = {k: v for k, v in plan.state.items() if isinstance(v, ShardedView)}
-    state = to_saved_layout(state, md)  # saved per layer / expert, or behind chained_<n>., asked otherwise
-    bcp.load(str(path), state, framework="megatron", mapping=mapped.mapping if mapped else None, **kwargs)
-    result = merge_factories(plan.result(built), factories)
-    if mapped is not None:
-        step = mapped.source_step()
+    failure, prepared = None, None
+    try:
+        prepared = _PreparedLoad.of(sharded_state_dict, str(path), mapping)
+    except Exception as e:  # noqa: BLE001 - raised on every rank of a collective load, not only here
+        failure = e
+    num_threads = kwargs.pop("num_threads", None) or load_threads()
+    load_checkpoint(str(path), prepared.state if prepared else {}, "megatron", mapping=prepared.mapping if prepared
+                    else None, num_threads=num_threads, failure=failure, **kwargs)
+    result = merge_factories(prepared.plan.result(prepared.built), prepared.factories)
+    if prepared.mapped is not None:
+        step = prepared.mapped.source_step()
         if step is not None:
             _set_group_steps(result, step)
     return result
+
+
+@dataclass
+class _PreparedLoad:
+    """What a load into a sharded state dict reads into (`state`) and how its result is rebuilt,
+    decided before the load reads anything."""
+
+    built: dict
+    factories: dict
+    plan: LoadPlan
+    state: dict
+    mapped: Any = None
+
+    @property
+    def mapping(self):
+        return self.mapped.mapping if self.mapped is not None else None
+
+    @classmethod
+    def of(cls, sharded_state_dict: dict, path: str, mapping) -> _PreparedLoad:
+        built, factories = build_factories(sharded_state_dict)
+        md = bcp.inspect(path)
+        mapped = None
+        if mapping is not None:
+            from bcp_core.mapping import resolve_mapping
+            m = resolve_mapping(mapping, md, {}, _ADAPTER)
+            if m is not None:
+                mapped = m.bind(md, storage_for(path))
+                md = mapped.metadata
+        keys = {v.key for _, v in iter_leaves(built) if isinstance(v, ShardedTensor)}
+        plan = load_state(built, {k: tm.shape for k, tm in saved_tensors(keys, md).items()}, saved_dtypes(keys, md))
+        state = plan.state
+        if mapped is not None:  # only tensors come through a mapping; the rest stays the target's
+            state = {k: v for k, v in plan.state.items() if isinstance(v, ShardedView)}
+        state = to_saved_layout(state, md)  # saved per layer / expert, or behind chained_<n>., asked otherwise
+        return cls(built, factories, plan, state, mapped)
 
 
 def _set_group_steps(tree: Any, step: int) -> None:
@@ -433,11 +461,16 @@ def _set_group_steps(tree: Any, step: int) -> None:
 
 
 class MegatronAdapter(ModuleAdapter):
-    """`framework="megatron"`: the state arrives already flattened by `save_state` / `load_state`
+    """`framework="megatron"`: a save gets Megatron's sharded state dict and flattens it here
+    (`save_state`, inside the save's exchange of errors); a load gets it flattened by `load_state`
     (ShardedViews and ObjectShards), so the generic handling serves it; the name is recorded in
     the checkpoint's metadata."""
 
     name = "megatron"
+
+    def state_to_save(self, state: dict) -> dict:
+        built, _ = build_factories(state)
+        return save_state(built)
 
     def matches(self, module) -> bool:
         return False  # never auto-detected: Megatron state is not a module

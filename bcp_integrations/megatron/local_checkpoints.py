@@ -45,7 +45,7 @@ from bcp_core.errors import IncompleteCheckpointError, NotACheckpointError
 from bcp_core.tiers import locate
 from bcp_core.utils import this_rank
 
-from .adapter import build_factories, iter_leaves, load_state, merge_factories, save_state
+from .adapter import build_factories, iter_leaves, load_state, merge_factories
 from .layouts import saved_dtypes, saved_tensors, to_saved_layout
 from .strategy import COMMON_STATE_KEY, CommitWait, _async_request, _translated, common_state_bytes
 
@@ -168,9 +168,8 @@ class TieredLocalCheckpoints:
         # enum members by value, so that torch.load(weights_only=True) reads it back on any Python
         sharded[COMMON_STATE_KEY] = ShardedObject(COMMON_STATE_KEY, common_state_bytes(common), (1,), (0,),
                                                   replica_id=this_rank())
-        built, _ = build_factories(sharded)
         where = f"{self.tiers.memory} (iteration {iteration})"
-        handle = _translated("save", where, bcp.save, self.tiers, save_state(built), framework="megatron",
+        handle = _translated("save", where, bcp.save, self.tiers, sharded, framework="megatron",
                              step=int(iteration), async_save=is_async)
         if not is_async:
             _translated("save", where, handle.wait)
