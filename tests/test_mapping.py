@@ -332,20 +332,27 @@ def test_step_counter_must_be_known(tmp_path):
     assert all(float(s["step"]) == 2.0 for s in state["optimizer"].state.values())
 
 
-def test_step_counter_from_megatron_019s_common_state_object_and_a_huge_common_pt_refused(tmp_path):
-    """megatron-core 0.19 keeps its common state in the checkpoint (bcp's object `common_state`, the
-    bytes of a torch.save file), not in common.pt; a common.pt too large to be one is refused unread."""
+def test_step_counter_from_the_common_state_object_before_common_pt_and_a_huge_common_pt_refused(tmp_path):
+    """bcp keeps Megatron's common state in the checkpoint (the object `common_state`, the bytes of a
+    torch.save file; every release since it moved into the commit): it is read before a common.pt
+    beside it, which an earlier save may have left. A checkpoint whose step is only in common.pt (an
+    earlier bcp's, up to megatron-core 0.18) refuses one too large to be a common state, unread."""
     src = llama()
     opt = trained(src)
-    megatron_checkpoint(tmp_path, src, opt, step_in_common="object")
+    megatron_checkpoint(tmp_path / "object", src, opt, step_in_common="object")
+    with open(tmp_path / "object" / "common.pt", "wb") as f:  # sparse: 64 GiB that are never read
+        f.truncate(64 << 30)
     dst = llama(seed=1)
     dst_opt = torch.optim.AdamW(dst.parameters(), lr=1e-2)
-    bcp.load(str(tmp_path), {"model": dst, "optimizer": dst_opt}, mapping=bcp.mapping.megatron_to_hf(dst.config))
+    bcp.load(str(tmp_path / "object"), {"model": dst, "optimizer": dst_opt},
+             mapping=bcp.mapping.megatron_to_hf(dst.config))
     assert_same_training_state(src, opt, dst, dst_opt)
-    with open(tmp_path / "common.pt", "wb") as f:  # sparse: 64 GiB that are never read
+    megatron_checkpoint(tmp_path / "file", src, opt, step_in_common=True)
+    with open(tmp_path / "file" / "common.pt", "wb") as f:
         f.truncate(64 << 30)
     with pytest.raises(bcp.MetadataError, match="common.pt"):
-        bcp.load(str(tmp_path), {"model": dst, "optimizer": dst_opt}, mapping=bcp.mapping.megatron_to_hf(dst.config))
+        bcp.load(str(tmp_path / "file"), {"model": dst, "optimizer": dst_opt},
+                 mapping=bcp.mapping.megatron_to_hf(dst.config))
 
 
 def test_corrupt_source_fails_the_mapped_load_without_changing_the_target(tmp_path):
