@@ -116,7 +116,6 @@ def load_checkpoint(path: str | os.PathLike | Storage, state: dict, framework: s
     else:
         comm, op = _load_op(process_group)
         st = path if isinstance(path, Storage) else _resolve_for_all(path, comm, op, timeout)
-        failure: Exception | None = None
         reads = VerifiedReads(st, (), CHECKSUM_BLOCK_BYTES, verify_checksums)
         try:
             md = metadata

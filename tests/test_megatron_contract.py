@@ -366,6 +366,21 @@ def _one_rank_error_cases(rank, world, root) -> dict:
     ckpt = _dir(root, "one_rank_error_load")
     bm.save(state(2), ckpt, timeout=timeout).wait()
     out["load"] = _error(lambda: bm.load(state(3 if rank == 1 else 2), ckpt, share_reads=True, timeout=timeout))
+    # the adapter's own planning fails on rank 1 (its data is not of the local shape it declares):
+    # rank 0 raises too, naming rank 1's error, and its tensor keeps its values
+    target = state(2)
+    target["w"].data.fill_(7.0)
+    if rank == 1:
+        target["w"].local_shape = (3,)
+    out["load_planning"] = _error(lambda: bm.load(target, ckpt, share_reads=True, timeout=timeout))
+    out["load_planning_kept"] = target["w"].data.tolist()
+    # up to 0.18 the key "common_state" is bcp's, for Megatron's non-sharded values: a state dict
+    # holding it is refused by every rank at once, not by rank 0 alone (which holds the values)
+    from bcp_integrations.megatron.strategy import MEGATRON_WRITES_COMMON_PT, BcpSaveShardedStrategy
+    if MEGATRON_WRITES_COMMON_PT:
+        reserved = {**state(2), "common_state": dc.ShardedObject("common_state", rank, (1,), (0,), replica_id=rank)}
+        out["reserved_key"] = _error(lambda: dc.save(reserved, _dir(root, "one_rank_error_reserved_key"),
+                                                     sharded_strategy=BcpSaveShardedStrategy(timeout=timeout)))
     return out
 
 
@@ -613,11 +628,16 @@ def test_write_failure_on_one_rank_fails_the_save_on_every_rank_sync_and_async(r
 
 def test_a_state_only_one_rank_gets_wrong_fails_every_rank_at_once(reports):
     for rank, r in enumerate(_case(reports, "one_rank_error")):
-        for op, what in (("save", "dtype"), ("load", "shape")):
+        for op, what in (("save", "dtype"), ("load", "shape"), ("load_planning", "local_shape is (3,)")):
             e = r[op]
             assert e.get("raised", True), (rank, op)
             assert what in e["message"] and "waited" not in e["message"], (rank, op, e)
             assert rank == 1 or "rank 1" in e["message"], (rank, op, e)  # rank 0 hears whose part failed
+        if "reserved_key" in r:  # up to 0.18 (from 0.19 on the key is Megatron's own)
+            e = r["reserved_key"]
+            assert e.get("raised", True) and e["megatron"], (rank, e)
+            assert "'common_state'" in e["message"] and "waited" not in e["message"], (rank, e)
+        assert r["load_planning_kept"] == [7.0, 7.0], rank
 
 
 def test_an_earlier_bcp_checkpoint_with_common_pt_loads(reports):

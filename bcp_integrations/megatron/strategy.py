@@ -151,12 +151,17 @@ def keep_common_state(common_state) -> bool:
 
 def _with_common_state(sharded_state_dict: dict) -> dict:
     """The sharded state dict of a save, with the non-sharded values kept for it (up to 0.18, rank 0)."""
-    data = (_common_state_of_save.get() or {}).get("data")
-    if data is None:
+    pending = _common_state_of_save.get()
+    if pending is None or not MEGATRON_WRITES_COMMON_PT:
         return sharded_state_dict
+    # refused on every rank, not only on rank 0, which holds the values: the others would wait for
+    # rank 0 in the save's exchanges until the timeout
     if COMMON_STATE_KEY in sharded_state_dict:
         raise CheckpointingException(f"the sharded state dict has a key {COMMON_STATE_KEY!r}, which bcp keeps for "
                                      "Megatron's non-sharded values")
+    data = pending.get("data")
+    if data is None:
+        return sharded_state_dict
     return {**sharded_state_dict, COMMON_STATE_KEY: ShardedObject(COMMON_STATE_KEY, data, (1,), (0,), replica_id=0)}
 
 
