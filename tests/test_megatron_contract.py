@@ -384,6 +384,34 @@ def _one_rank_error_cases(rank, world, root) -> dict:
     return out
 
 
+def _local_checkpoint_cases(rank, world, root) -> dict:
+    """Megatron-LM's local checkpoints served by bcp's tiers (`TieredLocalCheckpoints`, both ranks on
+    one node): a step saved and found; then a load whose state only rank 1 cannot plan (a tensor's
+    data not of its `local_shape`) fails on every rank at once, and changes no rank's tensor."""
+    from megatron.core import dist_checkpointing as dc
+
+    import bcp_core as bcp
+    from bcp_integrations.megatron.local_checkpoints import TieredLocalCheckpoints, TieredStateDict
+
+    def state(value):
+        return {"w": dc.ShardedTensor.from_rank_offsets("w", torch.full((2,), value + rank), (0, rank, world)),
+                "iteration": 3}
+    manager = TieredLocalCheckpoints(bcp.Tiers(os.path.join(root, "local_checkpoints"), replicas=0))
+    manager.save(TieredStateDict(state(1.0)), 3)
+    out = {"found": manager.find_latest()}
+    loaded, _ = manager.load()
+    target = state(7.0)
+    if rank == 1:
+        target["w"].local_shape = (3,)
+    out["load_planning"] = _error(lambda: loaded.to_state_dict(target))
+    out["kept"] = target["w"].data.tolist()
+    manager.find_latest()
+    loaded, _ = manager.load()
+    got = loaded.to_state_dict(state(7.0))
+    out["loaded"] = {"w": got["w"].tolist(), "iteration": got["iteration"]}
+    return out
+
+
 def _older_common_pt_cases(rank, world, root) -> dict:
     """A checkpoint of an earlier bcp (up to 0.18): Megatron's non-sharded values in common.pt, no
     object in the checkpoint. Megatron's loads still read them there."""
@@ -471,7 +499,7 @@ def _contract(rank: int, world: int, root: str, release: str) -> dict:
     for name, case in (("strict", _strict_cases), ("metadata", _metadata_cases), ("shapes", _shape_cases),
                        ("saves", _save_cases), ("formats", _format_cases), ("common_state", _common_state_cases),
                        ("async_queue", _async_queue_cases), ("older_common_pt", _older_common_pt_cases),
-                       ("one_rank_error", _one_rank_error_cases),
+                       ("one_rank_error", _one_rank_error_cases), ("local_checkpoints", _local_checkpoint_cases),
                        ("write_error", _write_error_cases)):
         try:
             report[name] = case(rank, world, root)
@@ -638,6 +666,17 @@ def test_a_state_only_one_rank_gets_wrong_fails_every_rank_at_once(reports):
             assert e.get("raised", True) and e["megatron"], (rank, e)
             assert "'common_state'" in e["message"] and "waited" not in e["message"], (rank, e)
         assert r["load_planning_kept"] == [7.0, 7.0], rank
+
+
+def test_local_checkpoints_a_state_only_one_rank_cannot_plan_fails_every_rank_at_once(reports):
+    for rank, r in enumerate(_case(reports, "local_checkpoints")):
+        assert r["found"] == 3, (rank, r)
+        e = r["load_planning"]
+        assert e.get("raised", True) and e["megatron"], (rank, e)
+        assert "local_shape is (3,)" in e["message"] and "waited" not in e["message"], (rank, e)
+        assert rank == 1 or "rank 1" in e["message"], (rank, e)
+        assert r["kept"] == [7.0 + rank] * 2, (rank, r)
+        assert r["loaded"] == {"w": [1.0 + rank] * 2, "iteration": 3}, (rank, r)
 
 
 def test_an_earlier_bcp_checkpoint_with_common_pt_loads(reports):

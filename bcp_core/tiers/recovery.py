@@ -173,22 +173,25 @@ class Located:
 
     def load(self, state: dict, framework: str = "auto", strict: bool = True, *, allow_pickle: bool = False,
              verify_checksums: bool = True, num_threads: int | None = 4,
-             share_reads: bool | None = None) -> LoadResult:
-        """Load the step into `state`, resharded, as `bcp_core.load` does. Collective."""
+             share_reads: bool | None = None, failure: Exception | None = None) -> LoadResult:
+        """Load the step into `state`, resharded, as `bcp_core.load` does. Collective. `failure`: this
+        rank's error in making `state`, raised on every rank (`loader.load_checkpoint`)."""
         num_threads = num_threads or 4
         if self.tier == "durable":
             log.info("bcp: loading step %d from durable storage %s", self.step, self.path)
             result = load_checkpoint(self.path, state, framework, strict, process_group=self.process_group,
                                      allow_pickle=allow_pickle, verify_checksums=verify_checksums,
-                                     num_threads=num_threads, share_reads=share_reads, timeout=self.timeout)
+                                     num_threads=num_threads, share_reads=share_reads, timeout=self.timeout,
+                                     failure=failure)
         else:
             log.info("bcp: loading step %d from the nodes' memory (%s)", self.step, self.tiers.memory)
-            result = self._from_copies(state, framework, strict, allow_pickle, verify_checksums, num_threads)
+            result = self._from_copies(state, framework, strict, allow_pickle, verify_checksums, num_threads,
+                                       failure)
         result.step, result.tier = self.step, self.tier
         return result
 
     def _from_copies(self, state: dict, framework: str, strict: bool, allow_pickle: bool, verify_checksums: bool,
-                     num_threads: int) -> LoadResult:
+                     num_threads: int, failure: Exception | None = None) -> LoadResult:
         """The step from the nodes' memory; where the load found damaged bytes (ChecksumError, the
         state untouched), the nodes holding the files it named check their copies, set aside those
         that are damaged (`_set_aside_damaged`), and the step is loaded again from the copies left,
@@ -197,7 +200,8 @@ class Located:
         at = self
         for round_ in range(SET_ASIDE_ROUNDS + 1):
             try:
-                return _load_from_memory(at, state, framework, strict, allow_pickle, verify_checksums, num_threads)
+                return _load_from_memory(at, state, framework, strict, allow_pickle, verify_checksums, num_threads,
+                                         failure)
             except CommTimeoutError:
                 raise  # a rank may be gone: no further exchange
             except Exception as e:  # every rank fails a load alike: they agree on what was damaged
@@ -214,7 +218,7 @@ class Located:
 
 
 def _load_from_memory(at: Located, state: dict, framework: str, strict: bool, allow_pickle: bool,
-                      verify_checksums: bool, num_threads: int) -> LoadResult:
+                      verify_checksums: bool, num_threads: int, failure: Exception | None = None) -> LoadResult:
     """The step from the nodes' memory (module doc): each node's view of it, the sharded objects'
     pieces it lacks (every rank computes the same schedule from the metadata: no exchange), then the
     ordinary load of the view, which brings the byte ranges its items need before reading them
@@ -259,7 +263,7 @@ def _load_from_memory(at: Located, state: dict, framework: str, strict: bool, al
         result = load_checkpoint(view, state, framework, strict, process_group=at.process_group,
                                  allow_pickle=allow_pickle, verify_checksums=verify_checksums,
                                  num_threads=num_threads, share_reads=True, timeout=timeout, prefetch=prefetch,
-                                 metadata=md)
+                                 metadata=md, failure=failure)
         result.path = step.root
         return result
     finally:

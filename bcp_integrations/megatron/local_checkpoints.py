@@ -206,11 +206,19 @@ def _common_of(loaded: dict) -> dict:
 
 
 def _load(sharded_state_dict: dict, located) -> dict:
-    """Load the located step into a Megatron sharded state dict (`adapter.load`, from a tiered step)."""
-    built, factories = build_factories(sharded_state_dict)
-    md = located.metadata
-    keys = {v.key for _, v in iter_leaves(built) if isinstance(v, ShardedTensor)}
-    plan = load_state(built, {k: tm.shape for k, tm in saved_tensors(keys, md).items()}, saved_dtypes(keys, md))
-    state = to_saved_layout(plan.state, md)
-    _translated("load", located.path, located.load, state, framework="megatron")
+    """Load the located step into a Megatron sharded state dict (`adapter.load`, from a tiered step).
+    A planning error on this rank is raised by the load on every rank, not here alone (the others
+    would wait for this one in the collective load)."""
+    failure, planned = None, None
+    try:
+        built, factories = build_factories(sharded_state_dict)
+        md = located.metadata
+        keys = {v.key for _, v in iter_leaves(built) if isinstance(v, ShardedTensor)}
+        plan = load_state(built, {k: tm.shape for k, tm in saved_tensors(keys, md).items()}, saved_dtypes(keys, md))
+        planned = built, factories, plan, to_saved_layout(plan.state, md)
+    except Exception as e:  # noqa: BLE001 - raised on every rank by the load below
+        failure = e
+    _translated("load", located.path, located.load, planned[3] if planned else {}, framework="megatron",
+                failure=failure)
+    built, factories, plan, _ = planned
     return merge_factories(plan.result(built), factories)
