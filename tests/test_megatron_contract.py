@@ -362,9 +362,9 @@ def _one_rank_error_cases(rank, world, root) -> dict:
         return {"w": t}
     # bcp's own entry point: Megatron's save validates the sharding itself first, raising on rank 0
     out = {"save": _error(lambda: bm.save(state(2, torch.float16 if rank == 1 else torch.float32),
-                                          _dir(root, "one_rank_error_save"), timeout=timeout).wait())}
+                                          _dir(root, "one_rank_error_save"), timeout=timeout))}
     ckpt = _dir(root, "one_rank_error_load")
-    bm.save(state(2), ckpt, timeout=timeout).wait()
+    bm.save(state(2), ckpt, timeout=timeout)
     out["load"] = _error(lambda: bm.load(state(3 if rank == 1 else 2), ckpt, share_reads=True, timeout=timeout))
     # the adapter's own planning fails on rank 1 (its data is not of the local shape it declares):
     # rank 0 raises too, naming rank 1's error, and its tensor keeps its values
@@ -704,7 +704,7 @@ def test_sharded_object_values_round_trip_without_pickle(tmp_path):
     import bcp_integrations.megatron as bm
     value = {"set": {3, 1, 2}, "frozen": frozenset({"a", (1, 2)}), "tuple": (1, (2.5, None)), "list": [b"x"],
              "nested": [{frozenset({1})}], 5: "int key"}
-    bm.save({"o": ShardedObject("o", value, (1,), (0,))}, str(tmp_path)).wait()
+    bm.save({"o": ShardedObject("o", value, (1,), (0,))}, str(tmp_path))
     got = bm.load({"o": ShardedObject("o", None, (1,), (0,))}, str(tmp_path))
     assert got["o"] == value and type(got["o"]["frozen"]) is frozenset
 
@@ -718,7 +718,7 @@ def test_unsupported_object_value_is_named_with_its_key_and_type(tmp_path):
     class Config:
         pass
     with pytest.raises(bcp.SaveError, match=r"UnsupportedValueError: cfg/shard_0_1: .*Config.*allow_pickle=True"):
-        bm.save({"o": ShardedObject("cfg", Config(), (1,), (0,))}, str(tmp_path)).wait()
+        bm.save({"o": ShardedObject("cfg", Config(), (1,), (0,))}, str(tmp_path))
 
 
 def test_a_megatron_core_without_the_interfaces_the_routing_needs_fails_at_import_naming_them(monkeypatch):

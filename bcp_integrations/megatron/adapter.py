@@ -396,13 +396,20 @@ def load(sharded_state_dict: dict, path: str, *, mapping=None, **kwargs) -> dict
     """
     failure, prepared = None, None
     try:
-        prepared = _PreparedLoad.of(sharded_state_dict, str(path), mapping)
+        md, mapped = bcp.inspect(str(path)), None
+        if mapping is not None:
+            from bcp_core.mapping import resolve_mapping
+            m = resolve_mapping(mapping, md, {}, _ADAPTER)
+            if m is not None:
+                mapped = m.bind(md, storage_for(str(path)))
+                md = mapped.metadata
+        prepared = PreparedLoad.of(sharded_state_dict, md, mapped)
     except Exception as e:  # noqa: BLE001 - raised on every rank of a collective load, not only here
         failure = e
     num_threads = kwargs.pop("num_threads", None) or load_threads()
     load_checkpoint(str(path), prepared.state if prepared else {}, "megatron", mapping=prepared.mapping if prepared
                     else None, num_threads=num_threads, failure=failure, **kwargs)
-    result = merge_factories(prepared.plan.result(prepared.built), prepared.factories)
+    result = prepared.result()
     if prepared.mapped is not None:
         step = prepared.mapped.source_step()
         if step is not None:
@@ -411,9 +418,9 @@ def load(sharded_state_dict: dict, path: str, *, mapping=None, **kwargs) -> dict
 
 
 @dataclass
-class _PreparedLoad:
-    """What a load into a sharded state dict reads into (`state`) and how its result is rebuilt,
-    decided before the load reads anything."""
+class PreparedLoad:
+    """What a load into a sharded state dict reads into (`state`) and how its result is rebuilt
+    (`result`), decided before the load reads anything."""
 
     built: dict
     factories: dict
@@ -426,16 +433,9 @@ class _PreparedLoad:
         return self.mapped.mapping if self.mapped is not None else None
 
     @classmethod
-    def of(cls, sharded_state_dict: dict, path: str, mapping) -> _PreparedLoad:
+    def of(cls, sharded_state_dict: dict, md, mapped=None) -> PreparedLoad:
+        """`md`: the checkpoint's metadata (seen through `mapped`, a bound mapping, if given)."""
         built, factories = build_factories(sharded_state_dict)
-        md = bcp.inspect(path)
-        mapped = None
-        if mapping is not None:
-            from bcp_core.mapping import resolve_mapping
-            m = resolve_mapping(mapping, md, {}, _ADAPTER)
-            if m is not None:
-                mapped = m.bind(md, storage_for(path))
-                md = mapped.metadata
         keys = {v.key for _, v in iter_leaves(built) if isinstance(v, ShardedTensor)}
         plan = load_state(built, {k: tm.shape for k, tm in saved_tensors(keys, md).items()}, saved_dtypes(keys, md))
         state = plan.state
@@ -443,6 +443,10 @@ class _PreparedLoad:
             state = {k: v for k, v in plan.state.items() if isinstance(v, ShardedView)}
         state = to_saved_layout(state, md)  # saved per layer / expert, or behind chained_<n>., asked otherwise
         return cls(built, factories, plan, state, mapped)
+
+    def result(self) -> dict:
+        """Megatron's loaded state dict, once the load has read into `state`."""
+        return merge_factories(self.plan.result(self.built), self.factories)
 
 
 def _set_group_steps(tree: Any, step: int) -> None:

@@ -36,7 +36,7 @@ import io
 from collections.abc import Callable
 
 import torch
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess, save_preprocess
 from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
@@ -45,8 +45,7 @@ from bcp_core.errors import IncompleteCheckpointError, NotACheckpointError
 from bcp_core.tiers import locate
 from bcp_core.utils import this_rank
 
-from .adapter import build_factories, iter_leaves, load_state, merge_factories
-from .layouts import saved_dtypes, saved_tensors, to_saved_layout
+from .adapter import PreparedLoad
 from .strategy import COMMON_STATE_KEY, CommitWait, _async_request, _translated, common_state_bytes
 
 _state: dict = {"tiers": None, "enabled": False}
@@ -209,16 +208,11 @@ def _load(sharded_state_dict: dict, located) -> dict:
     """Load the located step into a Megatron sharded state dict (`adapter.load`, from a tiered step).
     A planning error on this rank is raised by the load on every rank, not here alone (the others
     would wait for this one in the collective load)."""
-    failure, planned = None, None
+    failure, prepared = None, None
     try:
-        built, factories = build_factories(sharded_state_dict)
-        md = located.metadata
-        keys = {v.key for _, v in iter_leaves(built) if isinstance(v, ShardedTensor)}
-        plan = load_state(built, {k: tm.shape for k, tm in saved_tensors(keys, md).items()}, saved_dtypes(keys, md))
-        planned = built, factories, plan, to_saved_layout(plan.state, md)
+        prepared = PreparedLoad.of(sharded_state_dict, located.metadata)
     except Exception as e:  # noqa: BLE001 - raised on every rank by the load below
         failure = e
-    _translated("load", located.path, located.load, planned[3] if planned else {}, framework="megatron",
+    _translated("load", located.path, located.load, prepared.state if prepared else {}, framework="megatron",
                 failure=failure)
-    built, factories, plan, _ = planned
-    return merge_factories(plan.result(built), factories)
+    return prepared.result()
